@@ -1,0 +1,164 @@
+"""The server's config file (YAML), validated with pydantic.
+
+Every key is documented in configs/default.yaml and docs/CONFIG.md. A bad file is an error
+that names the file, the key and what is allowed; nothing starts with a config it did not
+understand.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.config import Bounds, EngineConfig, Knobs
+from engine.http.state import ServerLimits
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSection(Section):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    shutdown_grace_seconds: Annotated[float, Field(ge=0, le=3600)] = 30.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class ModelSection(Section):
+    name: str = "builtin:minilm"
+    task: Literal["embed", "generate"] = "embed"
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_input_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+class ConcurrencySection(Section):
+    process_count: Union[Annotated[int, Field(ge=1, le=1024)], Literal["auto"]] = "auto"
+    threads_per_process: Annotated[int, Field(ge=1, le=1024)] = 1
+    io_threads: Annotated[int, Field(ge=1, le=256)] = 2
+    batch_timeout: Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)] = 0.005
+    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 16
+
+
+class Range(Section):
+    min: float
+    max: float
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
+        return self
+
+
+class BoundsSection(Section):
+    process_count: Range | None = None
+    threads_per_process: Range | None = None
+    io_threads: Range | None = None
+    batch_timeout: Range | None = None
+    max_batch_size: Range | None = None
+
+
+class LimitsSection(Section):
+    max_items_per_request: Annotated[int, Field(ge=1, le=100_000)] = 256
+    max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 4 * 1024 * 1024
+    max_queued_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 512
+    request_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    default_max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 16
+
+
+class AdminSection(Section):
+    token_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = "SELFTUNE_ADMIN_TOKEN"
+
+
+class ServerConfig(Section):
+    server: ServerSection = ServerSection()
+    model: ModelSection = ModelSection()
+    concurrency: ConcurrencySection = ConcurrencySection()
+    bounds: BoundsSection = BoundsSection()
+    limits: LimitsSection = LimitsSection()
+    admin: AdminSection = AdminSection()
+
+    def bounds_obj(self) -> Bounds:
+        base = Bounds()
+        changes = {}
+        for name in Bounds.__dataclass_fields__:
+            rng = getattr(self.bounds, name)
+            if rng is not None:
+                kind = float if name == "batch_timeout" else int
+                changes[name] = (kind(rng.min), kind(rng.max))
+        return Bounds(**{**{n: getattr(base, n) for n in Bounds.__dataclass_fields__}, **changes})
+
+    def knobs(self) -> Knobs:
+        c = self.concurrency
+        count = c.process_count
+        if count == "auto":
+            count = max(1, len(os.sched_getaffinity(0)) // c.threads_per_process)
+            count = min(count, self.bounds_obj().process_count[1])
+        return Knobs(count, c.threads_per_process, c.io_threads, c.batch_timeout, c.max_batch_size)
+
+    def engine_config(self) -> EngineConfig:
+        m = self.model
+        return EngineConfig(
+            model=m.name, task=m.task, device=m.device, dtype=m.dtype, max_input_tokens=m.max_input_tokens,
+            knobs=self.knobs(), bounds=self.bounds_obj(),
+        )
+
+    def server_limits(self) -> ServerLimits:
+        lim = self.limits
+        return ServerLimits(
+            max_items_per_request=lim.max_items_per_request,
+            max_body_bytes=lim.max_body_bytes,
+            max_queued_requests=lim.max_queued_requests,
+            request_timeout=lim.request_timeout_seconds,
+            default_max_tokens=lim.default_max_tokens,
+        )
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServerConfig:
+    """Read, merge command-line overrides ({"section.key": value}), validate, check the knobs."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for dotted, value in (overrides or {}).items():
+        section, key = dotted.split(".")
+        if not isinstance(raw.setdefault(section, {}), dict):
+            raise ConfigError(f"{path}: {section}: must be a mapping")
+        raw[section][key] = value
+    try:
+        config = ServerConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(path, exc)) from None
+    try:
+        config.bounds_obj().validate(config.knobs())
+    except ValueError as exc:
+        raise ConfigError(f"{path}: concurrency.{exc} (see the bounds: section)") from None
+    return config
+
+
+def _describe(path: Path, exc: ValidationError) -> str:
+    lines = [f"{path}: invalid configuration"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key (see docs/CONFIG.md for the keys allowed)")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)

@@ -1,0 +1,100 @@
+"""The engine's configuration: the live knobs, their bounds, and the fixed settings.
+
+`Knobs` is the single source of truth for everything the controller may change while the
+engine serves; `EngineConfig` holds what is fixed for the engine's lifetime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+Task = Literal["embed", "generate"]
+
+
+class KnobError(ValueError):
+    """A knob value outside its bounds; the message names the knob and what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """Concurrency settings that can change while the engine serves."""
+
+    process_count: int = 1
+    """Worker processes running the model."""
+    threads_per_process: int = 1
+    """torch intra-op threads in each worker."""
+    io_threads: int = 2
+    """Pre/post-processing threads (tokenization, response shaping) in the front process."""
+    batch_timeout: float = 0.005
+    """Seconds the batcher waits for a batch to fill before it sends what it has."""
+    max_batch_size: int = 16
+    """Items (embedding inputs) or running sequences (generation) per batch."""
+
+    def replace(self, **changes) -> "Knobs":
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """Allowed range of every knob; `validate` is the one place knob values are checked."""
+
+    process_count: tuple[int, int] = (1, 16)
+    threads_per_process: tuple[int, int] = (1, 64)
+    io_threads: tuple[int, int] = (1, 32)
+    batch_timeout: tuple[float, float] = (0.0, 1.0)
+    max_batch_size: tuple[int, int] = (1, 256)
+
+    def validate(self, knobs: Knobs) -> Knobs:
+        for f in dataclasses.fields(Knobs):
+            value = getattr(knobs, f.name)
+            lo, hi = getattr(self, f.name)
+            kind = float if f.name == "batch_timeout" else int
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise KnobError(f"{f.name}: expected a number, got {value!r}")
+            if kind is int and int(value) != value:
+                raise KnobError(f"{f.name}: expected an integer, got {value!r}")
+            if not lo <= value <= hi:
+                raise KnobError(f"{f.name}={value!r} is outside the allowed range [{lo}, {hi}]")
+        return knobs
+
+    def clamp(self, knobs: Knobs) -> Knobs:
+        changes = {}
+        for f in dataclasses.fields(Knobs):
+            lo, hi = getattr(self, f.name)
+            changes[f.name] = min(max(getattr(knobs, f.name), lo), hi)
+        return Knobs(**changes)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Settings fixed for the engine's lifetime."""
+
+    model: str = "builtin:minilm"
+    """A model directory, `builtin:minilm`, `builtin:smollm2`, or a hub name already cached."""
+    task: Task = "embed"
+    device: str = "auto"
+    """`auto`, `cpu`, `cuda` or `cuda:N`."""
+    dtype: str = "auto"
+    """`auto` (float32 on CPU, bfloat16/float16 on CUDA), `float32`, `bfloat16`, `float16`."""
+    max_input_tokens: int | None = None
+    """Longer inputs are rejected; None means the model's own limit."""
+    knobs: Knobs = field(default_factory=Knobs)
+    bounds: Bounds = field(default_factory=Bounds)
+    warmup: bool = True
+    """Run one dummy batch in each new worker before it takes traffic."""
+    max_inflight_batches: int = 2
+    """Embedding batches a worker may hold at once (one running, the next waiting in shared memory)."""
+    restart_backoff: tuple[float, float] = (0.1, 5.0)
+    """Initial and maximum delay before a dead worker is replaced (doubles on each death)."""
+    cache_dir: str = field(
+        default_factory=lambda: os.environ.get(
+            "SELFTUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "selftune")
+        )
+    )
+    """Where converted models (e.g. GGUF -> safetensors) are kept."""

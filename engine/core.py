@@ -1,0 +1,527 @@
+"""EngineCore: the front process's event loop that owns the scheduler and the workers.
+
+One thread owns all engine state (like an actor): callers talk to it through an inbox, and it
+waits on the inbox, the zygote's socket, every worker's socket and every worker's pidfd at
+once, with a timeout set by the batcher's next due time. Each turn: handle what happened, then
+reconcile the worker count with the knobs, then dispatch what the scheduler says.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import recv_handle
+
+from engine import messages as m
+from engine.batcher import Batch, Item
+from engine.config import EngineConfig, Knobs
+from engine.jobs import (
+    EmbedJob,
+    EngineClosed,
+    GenerateJob,
+    ModelFailed,
+    TokenEvent,
+    WorkerLost,
+)
+from engine.loading import ModelInfo
+from engine.router import WorkerState
+from engine.scheduler import Scheduler
+from engine.shm import SlotBuffer
+from engine.stats import Counters, EngineStats, WorkerStats
+
+log = logging.getLogger("selftune.engine")
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    """The front process's view of one worker process."""
+
+    worker_id: int
+    forked_at: float
+    pid: int | None = None
+    conn: Connection | None = None
+    pidfd: int | None = None
+    shm: SlotBuffer | None = None
+    free_slots: list[int] = field(default_factory=list)
+    batches: dict[int, tuple[Batch, int, float]] = field(default_factory=dict)
+    """batch_id -> (batch, slot, dispatched at)."""
+    ready_at: float | None = None
+    stop_sent: bool = False
+    busy_seconds: float = 0.0
+    batches_done: int = 0
+    items_done: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, info: ModelInfo, zygote: Connection, device: str, knobs: Knobs):
+        self.config = config
+        self.device = device
+        self.info = info
+        self.zygote = zygote
+        self.knobs = knobs
+        self.scheduler = Scheduler(config.task, knobs, config.max_inflight_batches)
+        self.workers: dict[int, WorkerHandle] = {}
+        self.embed_jobs: dict[int, EmbedJob] = {}
+        self.gen_jobs: dict[int, GenerateJob] = {}
+        self.counters = Counters()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._next_worker_id = 0
+        self._respawn_at = 0.0
+        self._backoff = config.restart_backoff[0]
+        self._running = True
+        self._closing = False
+
+    # ---- called from other threads -------------------------------------------------------
+
+    def call(self, fn, *args) -> Future:
+        """Run fn(*args) on the core thread; the future carries its result."""
+        future: Future = Future()
+        self._inbox.put((future, fn, args))
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+        return future
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while self._running:
+                self._turn()
+        except Exception:
+            log.exception("engine core crashed")
+            self._fail_everything(EngineClosed("the engine's core loop crashed; see the server log"))
+            raise
+        finally:
+            self._release_all()
+
+    def _turn(self) -> None:
+        timeout = self._timeout(time.monotonic())
+        handlers = self._waitables()
+        for ready in wait(list(handlers), timeout):
+            handlers[ready]()
+        now = time.monotonic()
+        self._reconcile(now)
+        self._dispatch(now)
+
+    def _timeout(self, now: float) -> float | None:
+        due = [t for t in (self.scheduler.next_wakeup(), self._respawn_at_if_needed()) if t is not None]
+        return max(0.0, min(due) - now) if due else None
+
+    def _respawn_at_if_needed(self) -> float | None:
+        if len(self.scheduler.router.active()) < self.knobs.process_count and not self._closing:
+            return self._respawn_at
+        return None
+
+    def _waitables(self) -> dict:
+        handlers = {self._wake_r: self._on_inbox, self.zygote: self._on_zygote}
+        for handle in list(self.workers.values()):
+            if handle.conn is not None:
+                handlers[handle.conn] = lambda h=handle: self._on_worker_message(h)
+            if handle.pidfd is not None:
+                handlers[handle.pidfd] = lambda h=handle: self._on_worker_exit(h, "process exited")
+        return handlers
+
+    def _on_inbox(self) -> None:
+        os.read(self._wake_r, 4096)
+        while True:
+            try:
+                future, fn, args = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    # ---- requests (run on the core thread through `call`) ---------------------------------
+
+    def submit_embed(self, job: EmbedJob, token_ids: list[list[int]]) -> None:
+        if self._closing:
+            raise EngineClosed("the engine is shutting down")
+        self.embed_jobs[job.request_id] = job
+        self.counters.requests += 1
+        for index, ids in enumerate(token_ids):
+            self.scheduler.submit(Item(job.request_id, index, len(ids), job.submitted, ids))
+
+    def submit_generate(self, job: GenerateJob) -> None:
+        if self._closing:
+            raise EngineClosed("the engine is shutting down")
+        self.gen_jobs[job.request_id] = job
+        self.counters.requests += 1
+        self.scheduler.submit(job.item)
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request's queued work and stop its generation; its caller gets nothing more."""
+        self.scheduler.batcher.cancel(request_id)
+        job = self.embed_jobs.pop(request_id, None) or self.gen_jobs.pop(request_id, None)
+        if job is None:
+            return False
+        self.counters.cancelled += 1
+        if isinstance(job, GenerateJob) and job.worker_id is not None:
+            handle = self.workers.get(job.worker_id)
+            self.scheduler.router.complete(job.worker_id, job.batch_id)
+            if handle is not None and handle.conn is not None:
+                handle.batches.pop(job.batch_id, None)
+                self._send(handle, m.AbortSequence(request_id))
+        return True
+
+    def set_knobs(self, knobs: Knobs) -> None:
+        threads_changed = (knobs.threads_per_process, knobs.max_batch_size) != (
+            self.knobs.threads_per_process,
+            self.knobs.max_batch_size,
+        )
+        self.knobs = knobs
+        self.scheduler.configure(knobs)
+        if threads_changed:
+            for handle in self.workers.values():
+                if handle.conn is not None and not handle.stop_sent:
+                    self._send(handle, m.SetKnobs(knobs.threads_per_process, knobs.max_batch_size))
+
+    def pending_requests(self) -> int:
+        return len(self.embed_jobs) + len(self.gen_jobs)
+
+    def begin_close(self) -> None:
+        """Take no new requests; what is queued or running goes on."""
+        self._closing = True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Fail whatever is left, stop every worker (SIGKILL after `timeout`), leave the loop."""
+        self._closing = True
+        self._fail_everything(EngineClosed("the engine shut down before this request finished"))
+        for handle in list(self.workers.values()):
+            if handle.conn is not None and not handle.stop_sent:
+                handle.stop_sent = True
+                self._send(handle, m.Stop())
+        self._await_exits(time.monotonic() + timeout)
+        self._running = False
+
+    def _await_exits(self, deadline: float) -> None:
+        while True:
+            pidfds = {h.pidfd: h for h in self.workers.values() if h.pidfd is not None}
+            if not pidfds:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for handle in pidfds.values():
+                    log.warning("worker %d did not stop in time; killing it", handle.worker_id)
+                    os.kill(handle.pid, signal.SIGKILL)
+                left = 5.0
+            for fd in wait(list(pidfds), left):
+                handle = pidfds[fd]
+                self.scheduler.router.remove(handle.worker_id)
+                del self.workers[handle.worker_id]
+                self._close_handle(handle)
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        router = self.scheduler.router
+        workers = []
+        for slot in router.workers():
+            h = self.workers[slot.worker_id]
+            workers.append(
+                WorkerStats(
+                    worker_id=h.worker_id,
+                    pid=h.pid,
+                    state=slot.state.value,
+                    load=slot.load,
+                    queued_items=slot.items,
+                    batches=h.batches_done,
+                    items=h.items_done,
+                    busy_seconds=h.busy_seconds,
+                    age_seconds=now - h.forked_at,
+                )
+            )
+        return EngineStats(
+            knobs=self.knobs,
+            queue_depth=self.scheduler.queue_depth(),
+            oldest_wait_seconds=self._oldest_wait(now),
+            pending_requests=self.pending_requests(),
+            ready_workers=sum(1 for w in workers if w.state == WorkerState.READY.value),
+            workers=tuple(workers),
+            counters=self.counters.copy(),
+        )
+
+    def _oldest_wait(self, now: float) -> float:
+        oldest = self.scheduler.batcher.oldest_arrival()
+        return 0.0 if oldest is None else max(0.0, now - oldest)
+
+    # ---- workers: lifecycle ---------------------------------------------------------------
+
+    def _reconcile(self, now: float) -> None:
+        """Bring the number of active workers to process_count: fork, or drain the extra."""
+        if self._closing:
+            return
+        router = self.scheduler.router
+        missing = self.knobs.process_count - len(router.active())
+        if missing > 0 and now >= self._respawn_at:
+            for _ in range(missing):
+                self._fork(now)
+        elif missing < 0:
+            for worker_id in router.choose_to_retire(-missing):
+                router.drain(worker_id)
+                log.info("worker %d draining (process_count=%d)", worker_id, self.knobs.process_count)
+        for worker_id in router.idle_draining():
+            handle = self.workers[worker_id]
+            if handle.ready_at is not None and not handle.stop_sent:
+                self._send(handle, m.Stop())
+                handle.stop_sent = True
+
+    def _fork(self, now: float) -> None:
+        worker_id = self._next_worker_id
+        self._next_worker_id += 1
+        bounds = self.config.bounds
+        spec = m.WorkerSpec(
+            worker_id=worker_id,
+            task=self.config.task,
+            device=self.device,
+            threads=self.knobs.threads_per_process,
+            max_batch_size=self.knobs.max_batch_size,
+            slots=self.config.max_inflight_batches,
+            slot_items=bounds.max_batch_size[1],
+            max_length=self.info.max_length,
+            hidden_size=self.info.hidden_size,
+            eos_token_ids=self.info.eos_token_ids,
+            warmup=self.config.warmup,
+        )
+        self.zygote.send(m.Fork(spec))
+        self.workers[worker_id] = WorkerHandle(worker_id, forked_at=now)
+        self.scheduler.router.add(worker_id)
+        self.counters.workers_started += 1
+
+    def _on_zygote(self) -> None:
+        try:
+            msg = self.zygote.recv()
+        except (EOFError, OSError):
+            log.error("the zygote process died; no new workers can start")
+            self._fail_everything(EngineClosed("the engine's zygote process died"))
+            self._running = False
+            return
+        if isinstance(msg, m.Forked):
+            fd = recv_handle(self.zygote)
+            handle = self.workers.get(msg.worker_id)
+            if handle is None:
+                os.close(fd)
+                os.kill(msg.pid, signal.SIGKILL)
+                return
+            handle.pid = msg.pid
+            handle.conn = Connection(fd)
+            try:
+                handle.pidfd = os.pidfd_open(msg.pid)
+            except ProcessLookupError:
+                self._on_worker_exit(handle, "exited before it could be watched")
+
+    def _on_worker_message(self, handle: WorkerHandle) -> None:
+        try:
+            msg = handle.conn.recv()
+        except (EOFError, OSError):
+            self._on_worker_exit(handle, "closed its connection")
+            return
+        if isinstance(msg, m.EmbedDone):
+            self._on_embed_done(handle, msg)
+        elif isinstance(msg, m.Tokens):
+            self._on_tokens(handle, msg)
+        elif isinstance(msg, m.Hello):
+            if msg.shm_bytes:
+                fd = recv_handle(handle.conn)
+                c = self.config
+                handle.shm = SlotBuffer(fd, c.max_inflight_batches, c.bounds.max_batch_size[1], self.info.max_length, self.info.hidden_size)
+                handle.free_slots = list(range(c.max_inflight_batches))
+        elif isinstance(msg, m.Ready):
+            handle.ready_at = time.monotonic()
+            self.scheduler.router.mark_ready(handle.worker_id)
+            self._backoff = self.config.restart_backoff[0]
+            log.info("worker %d (pid %d) ready after %.2fs warm-up", handle.worker_id, handle.pid, msg.warmup_seconds)
+        elif isinstance(msg, m.WorkFailed):
+            self._on_work_failed(handle, msg)
+
+    def _on_worker_exit(self, handle: WorkerHandle, why: str) -> None:
+        if handle.worker_id not in self.workers:
+            return
+        expected = handle.stop_sent
+        leftover = self.scheduler.router.remove(handle.worker_id)
+        del self.workers[handle.worker_id]
+        self._close_handle(handle)
+        if expected and not leftover:
+            log.info("worker %d (pid %s) stopped", handle.worker_id, handle.pid)
+            return
+        self.counters.worker_deaths += 1
+        log.warning("worker %d (pid %s) died (%s) holding %d batches; re-running what can be", handle.worker_id, handle.pid, why, len(leftover))
+        self._recover(handle)
+        self._respawn_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self.config.restart_backoff[1])
+
+    def _recover(self, handle: WorkerHandle) -> None:
+        """Re-queue a dead worker's work: embeddings always, generations that had not started."""
+        requeue: list[Item] = []
+        for batch, _, _ in handle.batches.values():
+            for item in batch.items:
+                if self.config.task == "embed":
+                    if item.request_id in self.embed_jobs:
+                        requeue.append(item)
+                    continue
+                job = self.gen_jobs.get(item.request_id)
+                if job is None:
+                    continue
+                if job.emitted == 0:
+                    job.worker_id = job.batch_id = None
+                    requeue.append(item)
+                else:
+                    del self.gen_jobs[item.request_id]
+                    self.counters.failed += 1
+                    job.stream.put(WorkerLost("the worker running this generation died after it had started streaming"))
+        self.counters.requeued_items += len(requeue)
+        self.scheduler.batcher.requeue(requeue)
+
+    def _close_handle(self, handle: WorkerHandle) -> None:
+        if handle.conn is not None:
+            handle.conn.close()
+        if handle.pidfd is not None:
+            os.close(handle.pidfd)
+        if handle.shm is not None:
+            handle.shm.close()
+        handle.conn = None
+        handle.pidfd = None
+        handle.shm = None
+
+    def _send(self, handle: WorkerHandle, msg) -> bool:
+        try:
+            handle.conn.send(msg)
+            return True
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._on_worker_exit(handle, "its connection broke")
+            return False
+
+    # ---- work: dispatch and results -------------------------------------------------------
+
+    def _dispatch(self, now: float) -> None:
+        for dispatch in self.scheduler.schedule(now):
+            handle = self.workers[dispatch.worker_id]
+            if self.config.task == "embed":
+                self._send_embed(handle, dispatch.batch, now)
+            else:
+                self._send_sequence(handle, dispatch.batch, now)
+
+    def _send_embed(self, handle: WorkerHandle, batch: Batch, now: float) -> None:
+        live = [item for item in batch.items if item.request_id in self.embed_jobs]
+        if not live:
+            self.scheduler.router.complete(handle.worker_id, batch.batch_id)
+            return
+        batch.items = live
+        slot = handle.free_slots.pop()
+        ids = handle.shm.ids(slot, len(live), batch.padded_length)
+        ids.fill(self.info.pad_token_id)
+        for row, item in enumerate(live):
+            ids[row, : item.length] = item.payload
+            job = self.embed_jobs[item.request_id]
+            if job.first_dispatch is None:
+                job.first_dispatch = now
+        handle.batches[batch.batch_id] = (batch, slot, now)
+        self.counters.batches += 1
+        self.counters.items += len(live)
+        self.counters.padded_tokens += batch.padded_length * len(live)
+        self.counters.real_tokens += sum(item.length for item in live)
+        self._send(handle, m.RunEmbed(batch.batch_id, slot, tuple(item.length for item in live)))
+
+    def _send_sequence(self, handle: WorkerHandle, batch: Batch, now: float) -> None:
+        (item,) = batch.items
+        job = self.gen_jobs.get(item.request_id)
+        if job is None:
+            self.scheduler.router.complete(handle.worker_id, batch.batch_id)
+            return
+        job.worker_id, job.batch_id = handle.worker_id, batch.batch_id
+        job.extra.setdefault("dispatched", now)
+        handle.batches[batch.batch_id] = (batch, -1, now)
+        self.counters.batches += 1
+        self.counters.items += 1
+        p = item.payload
+        self._send(handle, m.AddSequence(item.request_id, p["prompt_ids"], p["max_tokens"], p["temperature"], p["top_p"], p["seed"], p["stop_token_ids"]))
+
+    def _on_embed_done(self, handle: WorkerHandle, msg: m.EmbedDone) -> None:
+        batch, slot, _ = handle.batches.pop(msg.batch_id)
+        out = handle.shm.out(slot, len(batch.items))
+        now = time.monotonic()
+        for row, item in enumerate(batch.items):
+            job = self.embed_jobs.get(item.request_id)
+            if job is None:
+                continue  # cancelled while it ran
+            job.vectors[item.index] = out[row]
+            job.model_seconds = max(job.model_seconds, msg.model_seconds)
+            job.remaining -= 1
+            if job.remaining == 0:
+                del self.embed_jobs[item.request_id]
+                self.counters.completed += 1
+                job.future.set_result((job, now))
+        handle.free_slots.append(slot)
+        self._finish_work(handle, msg.batch_id, len(batch.items), msg.model_seconds)
+
+    def _on_tokens(self, handle: WorkerHandle, msg: m.Tokens) -> None:
+        handle.busy_seconds += msg.model_seconds
+        for seq_id, token_id, finish in msg.outputs:
+            job = self.gen_jobs.get(seq_id)
+            if job is None:
+                continue
+            job.emitted += 1
+            self.counters.generated_tokens += 1
+            if finish is not None:
+                del self.gen_jobs[seq_id]
+                self.counters.completed += 1
+                handle.batches.pop(job.batch_id, None)
+                self._finish_work(handle, job.batch_id, 1, 0.0)
+            job.stream.put(TokenEvent(token_id, finish))
+
+    def _on_work_failed(self, handle: WorkerHandle, msg: m.WorkFailed) -> None:
+        error = ModelFailed(f"the model failed on this input: {msg.error}")
+        if self.config.task == "embed":
+            batch, slot, _ = handle.batches.pop(msg.key)
+            handle.free_slots.append(slot)
+            for request_id in {item.request_id for item in batch.items}:
+                job = self.embed_jobs.pop(request_id, None)
+                if job is not None:
+                    self.counters.failed += 1
+                    job.future.set_exception(error)
+            self._finish_work(handle, msg.key, len(batch.items), 0.0)
+            return
+        for seq_id in msg.sequences:
+            job = self.gen_jobs.pop(seq_id, None)
+            if job is not None:
+                self.counters.failed += 1
+                handle.batches.pop(job.batch_id, None)
+                self.scheduler.router.complete(handle.worker_id, job.batch_id)
+                job.stream.put(error)
+
+    def _finish_work(self, handle: WorkerHandle, key: int, items: int, model_seconds: float) -> None:
+        self.scheduler.router.complete(handle.worker_id, key)
+        handle.busy_seconds += model_seconds
+        handle.batches_done += 1
+        handle.items_done += items
+
+    # ---- endings ----------------------------------------------------------------------------
+
+    def _fail_everything(self, error: Exception) -> None:
+        for job in self.embed_jobs.values():
+            if not job.future.done():
+                job.future.set_exception(error)
+        for job in self.gen_jobs.values():
+            job.stream.put(error)
+        self.counters.failed += len(self.embed_jobs) + len(self.gen_jobs)
+        self.embed_jobs.clear()
+        self.gen_jobs.clear()
+        self.scheduler.batcher.clear()
+
+    def _release_all(self) -> None:
+        for handle in list(self.workers.values()):
+            self._close_handle(handle)
+        os.close(self._wake_r)
+        os.close(self._wake_w)

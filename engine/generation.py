@@ -1,0 +1,378 @@
+"""Continuous-batching decode loop for a Hugging Face causal LM.
+
+`GenerationRunner` runs inside a worker process. It keeps every running sequence in one
+batched KV cache so that each `step()` costs a single forward pass however many sequences
+are running, and it lets sequences join and leave that batch at step boundaries
+("continuous batching") instead of waiting for the slowest member of a static batch.
+
+Layout of the running batch (why it looks like this):
+
+* The cache is a transformers `DynamicCache` of full-attention layers whose key/value
+  tensors have shape ``[rows, heads, columns, head_dim]``. Rows are running sequences.
+  Sequences have different lengths, so shorter rows are padded **on the left**: the newest
+  token of every row then sits in the last column, a decode step appends exactly one column
+  for all rows, and the model's causal mask stays valid.
+* ``_mask`` (``[rows, columns]``, 1 = real token, 0 = padding) is passed as the 2-D
+  ``attention_mask`` so nobody attends to padding.
+* Because column index != token position once rows are padded, every forward gets explicit
+  per-row ``position_ids`` (GPT-2 learned positions and Llama RoPE both read them).
+* New sequences are prefilled on their own (left-padded among themselves) and then merged
+  by left-padding whichever side is shorter; finished rows are dropped by index-selecting
+  rows and trimming leading columns that are padding in every remaining row, so the cache
+  never carries columns nobody needs.
+
+Everything here is plain torch: no I/O, threads, clocks or sleeping. Not supported:
+sliding-window / linear-attention caches (all layers are treated as full attention, which
+stays correct for GPT-2- and Llama-style models) and models without a KV cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+__all__ = ["GenerationRunner", "SamplingParams", "SequenceRequest", "TokenOutput"]
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one sequence picks its tokens; validated on construction so bad input fails at `add`."""
+
+    max_tokens: int = 16
+    """Generated tokens (not counting the prompt) after which the sequence finishes with "length"."""
+    temperature: float = 1.0
+    """0 means greedy (argmax), like OpenAI; otherwise logits are divided by it before softmax."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches top_p."""
+    seed: int | None = None
+    """Seeds a per-sequence torch.Generator, so the same seed gives the same tokens whatever
+    else is in the batch. None draws a seed from torch's default RNG."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that finish the sequence with "stop", in addition to the model's EOS ids."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the token is the argmax (temperature 0); such sequences need no generator."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceRequest:
+    """One sequence to generate: the caller's id, the tokenized prompt and its sampling params."""
+
+    seq_id: int
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    """One generated token; `finish_reason` is set on a sequence's last token only."""
+
+    seq_id: int
+    token_id: int
+    finish_reason: str | None
+    """None while running; "stop" (EOS or a stop token, which is still reported) or "length"."""
+
+
+class _Sequence:
+    """Mutable per-sequence state the runner keeps between steps."""
+
+    __slots__ = ("request", "generator", "num_generated", "last_token", "stop_ids")
+
+    def __init__(self, request: SequenceRequest, generator: torch.Generator | None, stop_ids: frozenset[int]):
+        self.request = request
+        self.generator = generator
+        self.num_generated = 0
+        self.last_token = -1
+        """Newest sampled token: not yet in the KV cache, it is the next decode step's input."""
+        self.stop_ids = stop_ids
+
+    @property
+    def seq_id(self) -> int:
+        return self.request.seq_id
+
+    @property
+    def next_position(self) -> int:
+        """Position id of `last_token`, i.e. the number of tokens already in the cache."""
+        return len(self.request.prompt_ids) + self.num_generated - 1
+
+    def accept(self, token: int) -> TokenOutput:
+        """Record a sampled token and decide whether it finishes the sequence."""
+        self.num_generated += 1
+        self.last_token = token
+        reason = None
+        if token in self.stop_ids:
+            reason = FINISH_STOP
+        elif self.num_generated >= self.request.params.max_tokens:
+            reason = FINISH_LENGTH
+        return TokenOutput(self.seq_id, token, reason)
+
+
+class GenerationRunner:
+    """Continuous-batching generation over one model; the worker calls `step()` in a loop.
+
+    `add` and `abort` may be called between steps; admissions happen at the start of the next
+    `step`. `max_running` is the live max_batch_size knob: lowering it never evicts running
+    sequences, it only holds back admissions until enough of them have finished.
+    """
+
+    def __init__(self, model, eos_token_ids: Iterable[int], max_running: int = 16):
+        self._model = model
+        param = next(model.parameters())
+        self._device = param.device
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        self.max_running = max_running
+        # transformers 5.x renamed the forward kwarg `past_key_values` -> `cache` (the old name
+        # still works until 5.40 but warns); pick whichever this model's forward declares.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._max_positions = _max_positions(model)
+
+        self._waiting: OrderedDict[int, _Sequence] = OrderedDict()
+        self._rows: list[_Sequence] = []  # running sequences, in cache row order
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [rows, columns] long, 1 = real token
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def max_running(self) -> int:
+        """Most sequences in the running batch; admission stops at this, nothing is evicted."""
+        return self._max_running
+
+    @max_running.setter
+    def max_running(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"max_running must be an int >= 1, got {value!r}")
+        self._max_running = value
+
+    @property
+    def num_running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        """True while a `step()` could produce output (something is running or waiting)."""
+        return bool(self._rows or self._waiting)
+
+    def add(self, request: SequenceRequest) -> None:
+        """Queue a sequence; it is prefilled when a `step()` finds a free slot (FIFO)."""
+        if request.seq_id in self._waiting or any(s.seq_id == request.seq_id for s in self._rows):
+            raise ValueError(f"seq_id {request.seq_id} is already queued or running")
+        if len(request.prompt_ids) == 0:
+            raise ValueError("prompt_ids must not be empty")
+        total = len(request.prompt_ids) + request.params.max_tokens
+        if self._max_positions is not None and total > self._max_positions:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.params.max_tokens}) exceeds "
+                f"the model's context of {self._max_positions} positions"
+            )
+        stop_ids = self._eos | frozenset(int(t) for t in request.params.stop_token_ids)
+        self._waiting[request.seq_id] = _Sequence(request, self._make_generator(request.params), stop_ids)
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a waiting or running sequence; False if it is unknown (or already finished)."""
+        if self._waiting.pop(seq_id, None) is not None:
+            return True
+        for row, seq in enumerate(self._rows):
+            if seq.seq_id == seq_id:
+                self._retire([row])
+                return True
+        return False
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenOutput]:
+        """Admit (prefill) waiting sequences up to max_running, then decode one token for the rest.
+
+        Returns one TokenOutput per sequence that produced a token: a newly admitted
+        sequence's first token comes from its prefill, so it is not decoded again this step.
+        Finished sequences are retired before returning.
+        """
+        admitted = self._admit()
+        new_outputs, new_cache, new_mask, new_rows = self._prefill(admitted) if admitted else ([], None, None, [])
+        outputs = self._decode() if self._rows else []
+        if new_rows:
+            self._merge(new_cache, new_mask, new_rows)
+        return outputs + new_outputs
+
+    # ------------------------------------------------------------ admission/prefill
+
+    def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
+        """Per-sequence RNG so a sequence's samples do not depend on its batch neighbours."""
+        if params.greedy:
+            return None
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        gen = torch.Generator(device=self._device)
+        gen.manual_seed(seed)
+        return gen
+
+    def _admit(self) -> list[_Sequence]:
+        """Pop waiting sequences (FIFO) into the free slots of the running batch."""
+        free = self._max_running - len(self._rows)
+        admitted = []
+        while free > 0 and self._waiting:
+            admitted.append(self._waiting.popitem(last=False)[1])
+            free -= 1
+        return admitted
+
+    def _prefill(self, seqs: list[_Sequence]):
+        """Run the prompts of newly admitted sequences as one left-padded batch.
+
+        Returns (outputs, cache, mask, surviving sequences): sequences that already finished
+        on their first token are not part of the returned cache.
+        """
+        prompts = [s.request.prompt_ids for s in seqs]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(self._device), mask.to(self._device)
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, positions, cache)
+        outputs = [seq.accept(tok) for seq, tok in zip(seqs, self._sample(logits, seqs))]
+        keep = [row for row, out in enumerate(outputs) if out.finish_reason is None]
+        if len(keep) < len(seqs):
+            cache, mask = _select_rows(cache, mask, keep)
+        return outputs, cache, mask, [seqs[row] for row in keep]
+
+    def _merge(self, cache: DynamicCache, mask: torch.Tensor, seqs: list[_Sequence]) -> None:
+        """Append prefilled rows to the running batch, left-padding the shorter side."""
+        if not self._rows:
+            self._cache, self._mask, self._rows = cache, mask, list(seqs)
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        for old, new in zip(self._cache.layers, cache.layers):
+            old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)], dim=0)
+            old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)], dim=0)
+        self._mask = torch.cat([_pad_left(self._mask, width), _pad_left(mask, width)], dim=0)
+        self._rows.extend(seqs)
+
+    # ------------------------------------------------------------------- decoding
+
+    def _decode(self) -> list[TokenOutput]:
+        """Feed every running row its newest token, sample the next, retire finished rows."""
+        ids = torch.tensor([[s.last_token] for s in self._rows], dtype=torch.long, device=self._device)
+        positions = torch.tensor([[s.next_position] for s in self._rows], dtype=torch.long, device=self._device)
+        self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
+        logits = self._forward(ids, self._mask, positions, self._cache)
+        outputs = [seq.accept(tok) for seq, tok in zip(self._rows, self._sample(logits, self._rows))]
+        finished = [row for row, out in enumerate(outputs) if out.finish_reason is not None]
+        if finished:
+            self._retire(finished)
+        return outputs
+
+    def _retire(self, rows: Sequence[int]) -> None:
+        """Remove rows from the running batch and drop columns that became all padding."""
+        gone = set(rows)
+        keep = [row for row in range(len(self._rows)) if row not in gone]
+        if not keep:
+            self._rows, self._cache, self._mask = [], None, None
+            return
+        self._cache, self._mask = _select_rows(self._cache, self._mask, keep)
+        self._rows = [self._rows[row] for row in keep]
+
+    def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
+        """One model call that appends to `cache`; returns float32 logits of the last column."""
+        out = self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[:, -1, :].float()
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
+        """Pick one token per row following that row's own sampling params."""
+        return sample_tokens(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+
+
+# ------------------------------------------------------------------------- helpers
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    """Greedy rows take the argmax; the others sample from temperature-scaled, top-p-filtered
+    probabilities with their own generator (one multinomial per row, because a generator
+    belongs to one sequence)."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        temps = torch.tensor([params[r].temperature for r in sampled], device=logits.device, dtype=logits.dtype)
+        probs = torch.softmax(logits.index_select(0, index) / temps[:, None], dim=-1)
+        top_p = [params[r].top_p for r in sampled]
+        if any(p < 1.0 for p in top_p):
+            probs = _top_p_filter(probs, torch.tensor(top_p, device=logits.device, dtype=probs.dtype))
+        for i, row in enumerate(sampled):
+            tokens[row] = torch.multinomial(probs[i], 1, generator=generators[row])[0]
+    return tokens.tolist()
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero every token outside each row's nucleus; the most likely token always survives.
+
+    Rows with top_p == 1 are left untouched (rounding in the cumulative sum could otherwise
+    drop their least likely tokens)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the sequence axis (dim -2 for KV tensors, -1 for masks) on the left to `width`."""
+    if x.dim() == 2:  # attention mask [rows, columns]
+        missing = width - x.shape[1]
+        return F.pad(x, (missing, 0)) if missing else x
+    missing = width - x.shape[-2]
+    return F.pad(x, (0, 0, missing, 0)) if missing else x
+
+
+def _select_rows(cache: DynamicCache, mask: torch.Tensor, keep: list[int]):
+    """Keep `keep` rows of cache and mask, then trim leading columns that are padding in all."""
+    index = torch.tensor(keep, dtype=torch.long, device=mask.device)
+    mask = mask.index_select(0, index)
+    start = int(mask.any(dim=0).long().argmax())  # first column some row still uses
+    mask = mask[:, start:]
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, index)[:, :, start:, :]
+        layer.values = layer.values.index_select(0, index)[:, :, start:, :]
+    return cache, mask
+
+
+def _max_positions(model) -> int | None:
+    """The model's context length if its config states one (GPT-2's n_positions maps here)."""
+    config = getattr(model, "config", None)
+    value = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return int(value) if isinstance(value, int) and value > 0 else None

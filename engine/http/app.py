@@ -1,0 +1,32 @@
+"""The FastAPI application in front of a running engine."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from engine.engine import Engine
+from engine.http import admin_routes, errors, openai_routes, ops_routes
+from engine.http.limits import BodySizeLimit
+from engine.http.state import ServerLimits, ServerState
+
+
+def create_app(engine: Engine, limits: ServerLimits = ServerLimits(), admin_token_env: str = "SELFTUNE_ADMIN_TOKEN", shutdown_grace: float = 30.0) -> FastAPI:
+    """An app serving `engine` (already started); shutting the app down shuts the engine down."""
+    state = ServerState(engine, limits, admin_token_env)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        state.draining = True
+        engine.shutdown(grace=shutdown_grace)
+
+    app = FastAPI(title="selftune", version="0.1.0", lifespan=lifespan)
+    app.state.selftune = state
+    errors.install(app)
+    app.include_router(openai_routes.router)
+    app.include_router(ops_routes.router)
+    app.include_router(admin_routes.router)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    return app

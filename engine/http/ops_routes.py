@@ -1,0 +1,41 @@
+"""Operations endpoints: liveness, readiness, stats. None of them waits behind inference."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from engine.http.state import ServerState
+
+router = APIRouter()
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.selftune
+
+
+@router.get("/healthz")
+async def healthz():
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request):
+    state = state_of(request)
+    stats = state.engine.stats()
+    if state.draining:
+        return JSONResponse({"status": "draining", "ready_workers": stats.ready_workers}, status_code=503)
+    if stats.ready_workers < 1:
+        return JSONResponse({"status": "no ready worker", "ready_workers": 0}, status_code=503)
+    return {"status": "ready", "ready_workers": stats.ready_workers}
+
+
+@router.get("/stats")
+async def stats(request: Request):
+    state = state_of(request)
+    engine = state.engine
+    snapshot = engine.stats().as_dict()
+    snapshot["model"] = {"name": engine.source.name, "task": engine.config.task, "device": engine.device, "dtype": engine.dtype}
+    snapshot["pinned"] = sorted(state.pinned)
+    snapshot["server"] = {"in_flight": state.admission.current, "rejected": state.admission.rejected, "draining": state.draining}
+    return snapshot

@@ -1,0 +1,46 @@
+"""What the HTTP layer holds besides the engine: its limits, admission and knob pins."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass, field
+
+from engine.engine import Engine
+from engine.http.limits import Admission
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_items_per_request: int = 256
+    """Inputs in one embeddings request."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queued_requests: int = 512
+    """Requests in the server at once; more are answered 429 with Retry-After."""
+    request_timeout: float = 60.0
+    """Seconds before a request is answered 504 and its queued work is dropped."""
+    default_max_tokens: int = 16
+    retry_after_seconds: int = 1
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: Engine
+    limits: ServerLimits
+    admin_token_env: str = "SELFTUNE_ADMIN_TOKEN"
+    pinned: set[str] = field(default_factory=set)
+    """Knobs set through the admin API; autotuning leaves them alone."""
+    admission: Admission = field(init=False)
+    draining: bool = False
+
+    def __post_init__(self):
+        self.admission = Admission(self.limits.max_queued_requests)
+
+    @property
+    def admin_token(self) -> str | None:
+        token = os.environ.get(self.admin_token_env)
+        return token or None
+
+    def admin_token_matches(self, presented: str) -> bool:
+        token = self.admin_token
+        return token is not None and hmac.compare_digest(token.encode(), presented.encode())

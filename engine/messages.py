@@ -1,0 +1,140 @@
+"""The closed set of messages between the front process, the zygote and the workers.
+
+Small frozen dataclasses sent over Unix-socket connections. Tensors never travel here: token
+ids and embeddings go through each worker's shared-memory slots (engine/shm.py); a message
+only says which slot holds what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import Task
+
+# ---- front -> zygote ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a freshly forked worker needs to know."""
+
+    worker_id: int
+    task: Task
+    device: str
+    threads: int
+    max_batch_size: int
+    slots: int
+    """Shared-memory slots for embedding batches (how many batches it may hold)."""
+    slot_items: int
+    """Items per slot: the max_batch_size bound, so a live knob change never outgrows it."""
+    max_length: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    warmup: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    spec: WorkerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ZygoteLoaded:
+    """The zygote has imported everything and loaded the weights; it can fork workers now."""
+
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class ZygoteFailed:
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Forked:
+    """A worker exists; the front end of its socket follows this message as a passed fd."""
+
+    worker_id: int
+    pid: int
+
+
+# ---- front -> worker ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunEmbed:
+    batch_id: int
+    slot: int
+    lengths: tuple[int, ...]
+    """Real length of each row; the ids are padded to max(lengths) in the slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class AddSequence:
+    seq_id: int
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AbortSequence:
+    seq_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetKnobs:
+    """Live changes a worker applies between batches or decode steps."""
+
+    threads: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Finish nothing more: the front only sends it once the worker holds no work."""
+
+
+# ---- worker -> front ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First message of a worker; its shared-memory fd follows as a passed fd."""
+
+    worker_id: int
+    pid: int
+    shm_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    warmup_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedDone:
+    batch_id: int
+    slot: int
+    model_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Tokens produced by one decode step: (seq_id, token_id, finish_reason or None)."""
+
+    outputs: tuple[tuple[int, int, str | None], ...]
+    model_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkFailed:
+    """The model raised on this work (e.g. bad input); the worker itself is fine."""
+
+    key: int
+    error: str
+    sequences: tuple[int, ...] = field(default=())

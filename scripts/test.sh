@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# The test suite (about 3 minutes on 2 cores). Benchmarks and soak runs are opt-in: -m bench / -m slow.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python -m pytest "$@"

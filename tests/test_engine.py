@@ -1,0 +1,162 @@
+"""The engine with real worker processes and the real MiniLM model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import minilm_dir
+from helpers import alive, wait_until
+
+from engine.config import EngineConfig, KnobError, Knobs
+from engine.engine import Engine
+from engine.jobs import InputTooLong
+
+TEXTS = [
+    "hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "selftune tunes itself while it serves",
+    "a",
+    "Embeddings map sentences to vectors; similar sentences land close together. " * 6,
+    "What is the capital of France?",
+    "Paris is the capital and most populous city of France.",
+    "Batching stops paying at about sixteen short inputs on two cores.",
+] + [f"sentence number {i} about topic {i % 7} " * (1 + i % 4) for i in range(42)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, np.ndarray]:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(minilm_dir(), device="cpu")
+    return dict(zip(TEXTS, model.encode(TEXTS, batch_size=64)))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = EngineConfig(knobs=Knobs(process_count=2, max_batch_size=8, batch_timeout=0.002))
+    with Engine(config) as eng:
+        yield eng
+
+
+def test_embeddings_match_sentence_transformers(engine, reference):
+    futures = [engine.embed(TEXTS[i : i + 3]) for i in range(0, len(TEXTS), 3)]
+    results = [f.result(timeout=60) for f in futures]
+    vectors = np.concatenate([r.vectors for r in results])
+    expected = np.stack([reference[t] for t in TEXTS])
+    assert vectors.shape == (len(TEXTS), 384)
+    assert np.abs(vectors - expected).max() < 1e-4
+    stats = engine.stats()
+    assert stats.counters.batches < len(TEXTS)  # requests were batched together
+    assert stats.counters.padded_tokens >= stats.counters.real_tokens
+
+
+def test_bad_inputs_are_rejected_and_change_nothing(engine):
+    before = engine.stats().counters.requests
+    with pytest.raises(InputTooLong, match="at most 512"):
+        engine.embed(["word " * 600]).result(timeout=30)
+    with pytest.raises(ValueError):
+        engine.embed([])
+    with pytest.raises(KnobError, match="max_batch_size"):
+        engine.apply(engine.knobs.replace(max_batch_size=0))
+    assert engine.knobs.max_batch_size == 8
+    assert engine.stats().counters.requests == before
+
+
+def test_500_requests_while_knobs_change_all_answered_correctly(engine, reference):
+    """process_count 1 -> 3 -> 1 and batch knobs every 100 ms, under load: nothing lost."""
+    engine.apply(engine.knobs.replace(process_count=1))
+    stop = threading.Event()
+    seen_counts = set()
+
+    def retune():
+        schedule = [1] * 3 + [3] * 12 + [1] * 100
+        for step, count in enumerate(schedule):
+            if stop.is_set():
+                return
+            knobs = engine.knobs.replace(
+                process_count=count,
+                max_batch_size=[1, 4, 16, 32][step % 4],
+                batch_timeout=[0.0, 0.001, 0.01][step % 3],
+            )
+            engine.apply(knobs)
+            seen_counts.add(len([w for w in engine.stats().workers if w.state != "draining"]))
+            stop.wait(0.1)
+
+    tuner = threading.Thread(target=retune)
+    tuner.start()
+    futures = []
+    for i in range(500):
+        texts = [TEXTS[(i * 7 + j) % len(TEXTS)] for j in range(1 + i % 3)]
+        futures.append((texts, engine.embed(texts)))
+        time.sleep(0.004)
+    try:
+        for texts, future in futures:
+            vectors = future.result(timeout=120).vectors
+            expected = np.stack([reference[t] for t in texts])
+            assert np.abs(vectors - expected).max() < 1e-4
+    finally:
+        stop.set()
+        tuner.join()
+    stats = engine.stats()
+    assert 3 in seen_counts
+    assert stats.counters.failed == 0
+    assert stats.counters.worker_deaths == 0
+    wait_until(lambda: len(engine.stats().workers) == 1)
+
+
+def test_killed_worker_loses_no_embedding_request(engine, reference):
+    engine.apply(engine.knobs.replace(process_count=2, max_batch_size=4, batch_timeout=0.0))
+    engine.wait_ready(workers=2)
+    deaths = engine.stats().counters.worker_deaths
+    victim = engine.stats().workers[0].pid
+    futures = [(TEXTS[i % len(TEXTS)], engine.embed(TEXTS[i % len(TEXTS)])) for i in range(300)]
+    wait_until(lambda: engine.stats().counters.completed > 20)
+    os.kill(victim, signal.SIGKILL)
+    for text, future in futures:
+        assert np.abs(future.result(timeout=120).vectors[0] - reference[text]).max() < 1e-4
+    stats = engine.stats()
+    assert stats.counters.worker_deaths == deaths + 1
+    assert victim not in [w.pid for w in stats.workers]
+    engine.wait_ready(workers=2, timeout=60)  # a replacement took its place
+
+
+def test_shutdown_leaves_no_process_and_no_shared_memory(shm_entries):
+    eng = Engine(EngineConfig(knobs=Knobs(process_count=3))).start()
+    eng.wait_ready(workers=3)
+    pids = eng.pids
+    everything = pids["zygote"] + pids["workers"]
+    assert len(pids["workers"]) == 3 and all(alive(p) for p in everything)
+    eng.embed(TEXTS).result(timeout=60)
+    os.kill(pids["workers"][1], signal.SIGKILL)  # a dead worker must not leak either
+    eng.shutdown()
+    assert not [p for p in everything if alive(p)]
+    assert set(os.listdir("/dev/shm")) == shm_entries
+
+
+def test_front_process_death_takes_the_workers_with_it(tmp_path):
+    """SIGKILL of the process that owns the engine: the zygote and workers exit by themselves."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import sys\n"
+        "from engine.engine import Engine\n"
+        "from engine.config import EngineConfig, Knobs\n"
+        "eng = Engine(EngineConfig(knobs=Knobs(process_count=2))).start()\n"
+        "eng.wait_ready(workers=2)\n"
+        "p = eng.pids\n"
+        "print(' '.join(map(str, p['zygote'] + p['workers'])), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    owner = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in owner.stdout.readline().split()]
+    assert len(pids) == 3
+    owner.kill()
+    owner.wait()
+    wait_until(lambda: not [p for p in pids if alive(p)], timeout=5)
