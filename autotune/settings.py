@@ -46,7 +46,7 @@ class ModelSection(Section):
 class ConcurrencySection(Section):
     process_count: Union[Annotated[int, Field(ge=1, le=1024)], Literal["auto"]] = "auto"
     threads_per_process: Annotated[int, Field(ge=1, le=1024)] = 1
-    io_threads: Annotated[int, Field(ge=1, le=256)] = 2
+    io_threads: Annotated[int, Field(ge=0, le=256)] = 2
     batch_timeout: Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)] = 0.005
     max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 16
 
@@ -78,6 +78,11 @@ class LimitsSection(Section):
     default_max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 16
 
 
+class MonitorsSection(Section):
+    interval_seconds: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    window_seconds: Annotated[float, Field(gt=0, le=86400)] = 10.0
+
+
 class AdminSection(Section):
     token_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = "SELFTUNE_ADMIN_TOKEN"
 
@@ -88,6 +93,7 @@ class ServerConfig(Section):
     concurrency: ConcurrencySection = ConcurrencySection()
     bounds: BoundsSection = BoundsSection()
     limits: LimitsSection = LimitsSection()
+    monitors: MonitorsSection = MonitorsSection()
     admin: AdminSection = AdminSection()
 
     def bounds_obj(self) -> Bounds:

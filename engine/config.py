@@ -27,7 +27,8 @@ class Knobs:
     threads_per_process: int = 1
     """torch intra-op threads in each worker."""
     io_threads: int = 2
-    """Pre/post-processing threads (tokenization, response shaping) in the front process."""
+    """Pre/post-processing threads (tokenization, response shaping) in the front process;
+    0 runs that work inline on the caller's thread (the request's own thread or event loop)."""
     batch_timeout: float = 0.005
     """Seconds the batcher waits for a batch to fill before it sends what it has."""
     max_batch_size: int = 16
@@ -46,7 +47,7 @@ class Bounds:
 
     process_count: tuple[int, int] = (1, 16)
     threads_per_process: tuple[int, int] = (1, 64)
-    io_threads: tuple[int, int] = (1, 32)
+    io_threads: tuple[int, int] = (0, 32)
     batch_timeout: tuple[float, float] = (0.0, 1.0)
     max_batch_size: tuple[int, int] = (1, 256)
 

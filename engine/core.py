@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import selectors
 import signal
 import time
 from concurrent.futures import Future
@@ -23,6 +24,8 @@ from engine.batcher import Batch, Item
 from engine.config import EngineConfig, Knobs
 from engine.jobs import (
     EmbedJob,
+    EmbedResult,
+    RequestTimings,
     EngineClosed,
     GenerateJob,
     ModelFailed,
@@ -33,7 +36,7 @@ from engine.loading import ModelInfo
 from engine.router import WorkerState
 from engine.scheduler import Scheduler
 from engine.shm import SlotBuffer
-from engine.stats import Counters, EngineStats, WorkerStats
+from engine.stats import Counters, EngineStats, LatencyHistograms, WorkerStats
 
 log = logging.getLogger("selftune.engine")
 
@@ -59,12 +62,13 @@ class WorkerHandle:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, info: ModelInfo, zygote: Connection, device: str, knobs: Knobs):
+    def __init__(self, config: EngineConfig, info: ModelInfo, zygote: Connection, device: str, knobs: Knobs, latency: LatencyHistograms):
         self.config = config
         self.device = device
         self.info = info
         self.zygote = zygote
         self.knobs = knobs
+        self.latency = latency
         self.scheduler = Scheduler(config.task, knobs, config.max_inflight_batches)
         self.workers: dict[int, WorkerHandle] = {}
         self.embed_jobs: dict[int, EmbedJob] = {}
@@ -73,6 +77,10 @@ class EngineCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._wake_pending = False
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, self._on_inbox)
+        self._selector.register(zygote, selectors.EVENT_READ, self._on_zygote)
         self._next_worker_id = 0
         self._respawn_at = 0.0
         self._backoff = config.restart_backoff[0]
@@ -85,10 +93,12 @@ class EngineCore:
         """Run fn(*args) on the core thread; the future carries its result."""
         future: Future = Future()
         self._inbox.put((future, fn, args))
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
+        if not self._wake_pending:  # one wake-up per loop turn is enough
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
         return future
 
     # ---- the loop -----------------------------------------------------------------------
@@ -106,9 +116,8 @@ class EngineCore:
 
     def _turn(self) -> None:
         timeout = self._timeout(time.monotonic())
-        handlers = self._waitables()
-        for ready in wait(list(handlers), timeout):
-            handlers[ready]()
+        for key, _ in self._selector.select(timeout):
+            key.data()
         now = time.monotonic()
         self._reconcile(now)
         self._dispatch(now)
@@ -122,17 +131,9 @@ class EngineCore:
             return self._respawn_at
         return None
 
-    def _waitables(self) -> dict:
-        handlers = {self._wake_r: self._on_inbox, self.zygote: self._on_zygote}
-        for handle in list(self.workers.values()):
-            if handle.conn is not None:
-                handlers[handle.conn] = lambda h=handle: self._on_worker_message(h)
-            if handle.pidfd is not None:
-                handlers[handle.pidfd] = lambda h=handle: self._on_worker_exit(h, "process exited")
-        return handlers
-
     def _on_inbox(self) -> None:
         os.read(self._wake_r, 4096)
+        self._wake_pending = False  # cleared before draining, so a later call writes again
         while True:
             try:
                 future, fn, args = self._inbox.get_nowait()
@@ -317,12 +318,17 @@ class EngineCore:
                 return
             handle.pid = msg.pid
             handle.conn = Connection(fd)
+            self._selector.register(handle.conn, selectors.EVENT_READ, lambda: self._on_worker_message(handle))
             try:
                 handle.pidfd = os.pidfd_open(msg.pid)
             except ProcessLookupError:
                 self._on_worker_exit(handle, "exited before it could be watched")
+                return
+            self._selector.register(handle.pidfd, selectors.EVENT_READ, lambda: self._on_worker_exit(handle, "process exited"))
 
     def _on_worker_message(self, handle: WorkerHandle) -> None:
+        if handle.conn is None:
+            return  # it died earlier in this same turn
         try:
             msg = handle.conn.recv()
         except (EOFError, OSError):
@@ -386,8 +392,10 @@ class EngineCore:
 
     def _close_handle(self, handle: WorkerHandle) -> None:
         if handle.conn is not None:
+            self._selector.unregister(handle.conn)
             handle.conn.close()
         if handle.pidfd is not None:
+            self._selector.unregister(handle.pidfd)
             os.close(handle.pidfd)
         if handle.shm is not None:
             handle.shm.close()
@@ -462,16 +470,30 @@ class EngineCore:
             if job.remaining == 0:
                 del self.embed_jobs[item.request_id]
                 self.counters.completed += 1
-                job.future.set_result((job, now))
+                job.future.set_result(self._embed_result(job, now))
         handle.free_slots.append(slot)
         self._finish_work(handle, msg.batch_id, len(batch.items), msg.model_seconds)
 
+    def _embed_result(self, job: EmbedJob, now: float) -> EmbedResult:
+        timings = RequestTimings(
+            preprocess=job.submitted - job.created,
+            queue=(job.first_dispatch or now) - job.submitted,
+            model=job.model_seconds,
+            total=now - job.created,
+        )
+        for stage in ("preprocess", "queue", "model"):
+            self.latency.record(stage, getattr(timings, stage))
+        return EmbedResult(job.vectors, job.prompt_tokens, timings)
+
     def _on_tokens(self, handle: WorkerHandle, msg: m.Tokens) -> None:
         handle.busy_seconds += msg.model_seconds
+        now = time.monotonic()
         for seq_id, token_id, finish in msg.outputs:
             job = self.gen_jobs.get(seq_id)
             if job is None:
                 continue
+            self.latency.record("ttft" if job.emitted == 0 else "itl", now - (job.last_token_at or job.created))
+            job.last_token_at = now
             job.emitted += 1
             self.counters.generated_tokens += 1
             if finish is not None:
@@ -523,5 +545,6 @@ class EngineCore:
     def _release_all(self) -> None:
         for handle in list(self.workers.values()):
             self._close_handle(handle)
+        self._selector.close()
         os.close(self._wake_r)
         os.close(self._wake_w)

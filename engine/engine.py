@@ -26,18 +26,10 @@ from engine.batcher import Item
 from engine.config import EngineConfig, Knobs
 from engine.core import EngineCore
 from engine.io_pool import IOPool
-from engine.jobs import (
-    EmbedJob,
-    EmbedResult,
-    EngineClosed,
-    GenerateJob,
-    InputTooLong,
-    RequestTimings,
-    TokenStream,
-)
+from engine.jobs import EmbedJob, EngineClosed, GenerateJob, InputTooLong, TokenStream
 from engine.loading import ModelInfo, load_tokenizer, model_info
 from engine.model_source import ModelSource, resolve_model
-from engine.stats import EngineStats
+from engine.stats import EngineStats, LatencyHistograms
 
 log = logging.getLogger("selftune.engine")
 
@@ -68,6 +60,8 @@ class Engine:
         self._ids = itertools.count(1)
         self._apply_lock = threading.Lock()
         self._closed = False
+        self.latency = LatencyHistograms()
+        """Per-stage latency of finished requests; the monitors read windows of it."""
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -85,7 +79,7 @@ class Engine:
         self.info = model_info(self.source.path, self.tokenizer)
         self._start_zygote(ready_timeout)
         self._pool = IOPool(self.knobs.io_threads)
-        self._core = EngineCore(self.config, self.info, self._zygote_conn, self.device, self.knobs)
+        self._core = EngineCore(self.config, self.info, self._zygote_conn, self.device, self.knobs, self.latency)
         self._core_thread = threading.Thread(target=self._core.run, name="selftune-core", daemon=True)
         self._core_thread.start()
         self.wait_ready(ready_timeout)
@@ -179,7 +173,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
 
     def embed(self, texts: list[str] | str) -> Future:
-        """Future of an EmbedResult; tokenization runs on the I/O pool, not the caller's thread."""
+        """Future of an EmbedResult; tokenization runs on the I/O pool (inline if io_threads=0)."""
         if isinstance(texts, str):
             texts = [texts]
         if not texts:
@@ -204,39 +198,22 @@ class Engine:
         except Exception as exc:
             future.set_exception(exc)
 
-    def _submit_embed(self, token_ids: list[list[int]], outer: Future, created: float) -> None:
+    def _submit_embed(self, token_ids: list[list[int]], future: Future, created: float) -> None:
         self.check_tokens(token_ids)
         request_id = next(self._ids)
-        inner: Future = Future()
         job = EmbedJob(
             request_id=request_id,
-            future=inner,
+            future=future,
             vectors=np.empty((len(token_ids), self.info.hidden_size), dtype=np.float32),
             remaining=len(token_ids),
             prompt_tokens=sum(len(ids) for ids in token_ids),
             created=created,
             submitted=time.monotonic(),
         )
-        inner.add_done_callback(lambda f: self._finish_embed(f, outer))
-        outer.request_id = request_id
+        future.request_id = request_id
         self._core.call(self._core.submit_embed, job, token_ids).add_done_callback(
-            lambda f: f.exception() and outer.set_exception(f.exception())
+            lambda f: f.exception() and future.set_exception(f.exception())
         )
-
-    @staticmethod
-    def _finish_embed(inner: Future, outer: Future) -> None:
-        if inner.exception() is not None:
-            outer.set_exception(inner.exception())
-            return
-        job, done = inner.result()
-        dispatched = job.first_dispatch or done
-        timings = RequestTimings(
-            preprocess=job.submitted - job.created,
-            queue=dispatched - job.submitted,
-            model=job.model_seconds,
-            total=done - job.created,
-        )
-        outer.set_result(EmbedResult(job.vectors, job.prompt_tokens, timings))
 
     def check_tokens(self, token_ids: list[list[int]]) -> None:
         """Reject inputs the model cannot take: empty, too long, or ids outside its vocabulary."""

@@ -2,7 +2,8 @@
 
 concurrent.futures.ThreadPoolExecutor only grows; this one grows by starting threads and
 shrinks by letting threads exit after their current task. Tokenization (HF fast tokenizers
-release the GIL) and response shaping run here.
+release the GIL) and response shaping run here. Size 0 means no pool: work runs inline in
+the caller's thread, which saves a thread hop per request when inputs are short.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class IOPool:
         return self._target
 
     def resize(self, size: int) -> None:
-        if size < 1:
-            raise ValueError("io_threads must be at least 1")
+        if size < 0:
+            raise ValueError("io_threads must be at least 0")
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
             for _ in range(size - self._target):
@@ -46,7 +47,10 @@ class IOPool:
         if self._closed:
             raise RuntimeError("the pool is shut down")
         future: Future = Future()
-        self._tasks.put((future, fn, args, kwargs))
+        if self._target == 0:
+            _run_task(future, fn, args, kwargs)
+        else:
+            self._tasks.put((future, fn, args, kwargs))
         return future
 
     def shutdown(self) -> None:
@@ -64,10 +68,13 @@ class IOPool:
             task = self._tasks.get()
             if task is _RETIRE:
                 return
-            future, fn, args, kwargs = task
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as exc:
-                future.set_exception(exc)
+            _run_task(*task)
+
+
+def _run_task(future: Future, fn: Callable, args, kwargs) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as exc:
+        future.set_exception(exc)

@@ -109,6 +109,7 @@ class GenerateJob:
     stream: TokenStream
     created: float
     emitted: int = 0
+    last_token_at: float | None = None
     worker_id: int | None = None
     batch_id: int | None = None
     extra: dict = field(default_factory=dict)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.config import Knobs
 
@@ -57,3 +61,47 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+class LatencyHistograms:
+    """Cumulative latency histograms per stage, cheap enough for every request.
+
+    Buckets are geometric (ratio 2**(1/8), about 9 % wide) from 10 µs to ~45 min, so a
+    percentile read from them is within a few percent; recording is one log and one
+    increment. Readers take cumulative snapshots and subtract them to get a window, the way
+    Prometheus does, so nothing is ever sorted and nothing grows with traffic.
+    """
+
+    STAGES = ("preprocess", "queue", "model", "postprocess", "total", "ttft", "itl")
+    BASE = 1e-5
+    PER_OCTAVE = 8
+    COUNT = 8 * 28
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = {stage: np.zeros(self.COUNT + 1, dtype=np.int64) for stage in self.STAGES}
+        self._sums = dict.fromkeys(self.STAGES, 0.0)
+
+    @classmethod
+    def upper_bounds(cls) -> np.ndarray:
+        """Upper edge of each bucket (the last one is +inf)."""
+        edges = cls.BASE * 2.0 ** (np.arange(1, cls.COUNT + 1) / cls.PER_OCTAVE)
+        return np.append(edges, np.inf)
+
+    @classmethod
+    def bucket(cls, seconds: float) -> int:
+        if seconds <= cls.BASE:
+            return 0
+        index = math.ceil(math.log2(seconds / cls.BASE) * cls.PER_OCTAVE) - 1
+        return min(max(index, 0), cls.COUNT)
+
+    def record(self, stage: str, seconds: float) -> None:
+        index = self.bucket(seconds)
+        with self._lock:
+            self._counts[stage][index] += 1
+            self._sums[stage] += seconds
+
+    def snapshot(self) -> dict[str, tuple[np.ndarray, float]]:
+        """stage -> (cumulative bucket counts, sum of seconds); copies, safe to keep."""
+        with self._lock:
+            return {stage: (counts.copy(), self._sums[stage]) for stage, counts in self._counts.items()}

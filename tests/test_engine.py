@@ -160,3 +160,23 @@ def test_front_process_death_takes_the_workers_with_it(tmp_path):
     owner.kill()
     owner.wait()
     wait_until(lambda: not [p for p in pids if alive(p)], timeout=5)
+
+
+def os_threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+def test_threads_per_process_changes_live_in_every_worker(engine):
+    """A control message resizes each worker's torch pool: its OpenMP threads appear."""
+    engine.apply(engine.knobs.replace(process_count=2, threads_per_process=1))
+    engine.wait_ready(workers=2)
+    engine.embed(TEXTS).result(timeout=60)
+    before = {w.pid: os_threads(w.pid) for w in engine.stats().workers}
+    engine.apply(engine.knobs.replace(threads_per_process=2))
+    for _ in range(4):  # enough batches that every worker runs one with the new pool
+        engine.embed(TEXTS).result(timeout=60)
+    after = {w.pid: os_threads(w.pid) for w in engine.stats().workers}
+    assert before.keys() == after.keys()
+    assert all(after[pid] > before[pid] for pid in before), (before, after)
+    engine.apply(engine.knobs.replace(threads_per_process=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from typing import Callable
 
 from fastapi import FastAPI
 
@@ -10,16 +11,28 @@ from engine.engine import Engine
 from engine.http import admin_routes, errors, openai_routes, ops_routes
 from engine.http.limits import BodySizeLimit
 from engine.http.state import ServerLimits, ServerState
+from engine.http.timing import RequestTiming
 
 
-def create_app(engine: Engine, limits: ServerLimits = ServerLimits(), admin_token_env: str = "SELFTUNE_ADMIN_TOKEN", shutdown_grace: float = 30.0) -> FastAPI:
-    """An app serving `engine` (already started); shutting the app down shuts the engine down."""
+def create_app(
+    engine: Engine,
+    limits: ServerLimits = ServerLimits(),
+    admin_token_env: str = "SELFTUNE_ADMIN_TOKEN",
+    shutdown_grace: float = 30.0,
+    before_shutdown: Callable[[], None] | None = None,
+) -> FastAPI:
+    """An app serving `engine` (already started); shutting the app down shuts the engine down.
+
+    `before_shutdown` runs first (e.g. stopping whoever reads the engine in the background).
+    """
     state = ServerState(engine, limits, admin_token_env)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         state.draining = True
+        if before_shutdown is not None:
+            before_shutdown()
         engine.shutdown(grace=shutdown_grace)
 
     app = FastAPI(title="selftune", version="0.1.0", lifespan=lifespan)
@@ -29,4 +42,5 @@ def create_app(engine: Engine, limits: ServerLimits = ServerLimits(), admin_toke
     app.include_router(ops_routes.router)
     app.include_router(admin_routes.router)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(RequestTiming, latency=engine.latency)
     return app

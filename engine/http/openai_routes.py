@@ -95,6 +95,7 @@ async def _await_result(request: Request, state: ServerState, future, request_id
         state.engine.cancel(request_id)
     if watcher in done:
         raise APIError(499, "client closed the request")
+    state.timed_out += 1
     raise APIError(504, f"the request did not finish within {state.limits.request_timeout:g}s", "timeout_error", code="timeout")
 
 
@@ -128,8 +129,11 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
             result = await _await_result(request, state, future, lambda: getattr(future, "request_id", None))
         except (EngineError, ValueError) as exc:
             raise as_api_error(exc) from None
+        shaped = time.monotonic()
         payload = await asyncio.wrap_future(engine.run_io(_embedding_payload, result, body.encoding_format, engine.source.name))
-    return JSONResponse(payload, headers=_timing_headers(result.timings))
+        response = JSONResponse(payload, headers=_timing_headers(result.timings))
+    engine.latency.record("postprocess", time.monotonic() - shaped)
+    return response
 
 
 def _embedding_payload(result, encoding_format: str, model: str) -> dict:
@@ -286,6 +290,7 @@ async def _whole(request: Request, state: ServerState, completion: _Completion, 
                 raise APIError(499, "client closed the request")
             parts.append(completion.feed(getter.result()))
     except asyncio.TimeoutError:
+        state.timed_out += 1
         raise APIError(504, f"the request did not finish within {state.limits.request_timeout:g}s", "timeout_error", code="timeout") from None
     except EngineError as exc:
         raise as_api_error(exc) from None
@@ -312,6 +317,7 @@ async def _sse(state: ServerState, completion: _Completion, events: asyncio.Queu
             yield _event(completion.chunk(None, usage=True))
         yield "data: [DONE]\n\n"
     except asyncio.TimeoutError:
+        state.timed_out += 1
         yield _event(error_body(f"the request did not finish within {state.limits.request_timeout:g}s", "timeout_error", code="timeout"))
     except EngineError as exc:
         err = as_api_error(exc)

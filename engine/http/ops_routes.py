@@ -37,5 +37,11 @@ async def stats(request: Request):
     snapshot = engine.stats().as_dict()
     snapshot["model"] = {"name": engine.source.name, "task": engine.config.task, "device": engine.device, "dtype": engine.dtype}
     snapshot["pinned"] = sorted(state.pinned)
-    snapshot["server"] = {"in_flight": state.admission.current, "rejected": state.admission.rejected, "draining": state.draining}
+    snapshot["server"] = {
+        "in_flight": state.admission.current,
+        "rejected": state.admission.rejected,
+        "timed_out": state.timed_out,
+        "draining": state.draining,
+    }
+    snapshot["observation"] = state.observe() if state.observe is not None else None
     return snapshot

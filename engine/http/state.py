@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.engine import Engine
 from engine.http.limits import Admission
@@ -32,6 +33,10 @@ class ServerState:
     """Knobs set through the admin API; autotuning leaves them alone."""
     admission: Admission = field(init=False)
     draining: bool = False
+    timed_out: int = 0
+    """Requests answered 504 so far."""
+    observe: Callable[[], dict | None] | None = None
+    """The latest Observation as a dict, when monitors are wired in (shown in /stats)."""
 
     def __post_init__(self):
         self.admission = Admission(self.limits.max_queued_requests)

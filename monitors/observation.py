@@ -1,0 +1,91 @@
+"""Observation: the one immutable snapshot that the controller and the policies read.
+
+Taken every `interval` by the sampler in the front process. Everything in it is a plain
+value (seconds, rates per second, fractions 0..1, bytes), so policies stay pure functions of
+it and the simulator can build the same type from its virtual clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from monitors.gpu import GpuReport
+from monitors.host import HostSample
+from monitors.topology import NumaNode
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """Percentiles over the window, in seconds; None where nothing finished in it."""
+
+    p50: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    mean: float | None = None
+    count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What the traffic is doing, over the sampler's window."""
+
+    arrival_rate: float = 0.0
+    """Requests per second admitted to the engine."""
+    completion_rate: float = 0.0
+    rejected_rate: float = 0.0
+    """Requests per second answered 429 (admission full)."""
+    timed_out_rate: float = 0.0
+    failed_rate: float = 0.0
+    queue_depth: int = 0
+    """Items waiting in the batcher now."""
+    queue_wait: float = 0.0
+    """Seconds the oldest waiting item has waited, now."""
+    pending_requests: int = 0
+    latency: dict[str, Latency] = field(default_factory=dict)
+    """Stage -> percentiles: total, queue, preprocess, model, postprocess; ttft, itl for generation."""
+    batch_size: float = 0.0
+    """Mean items per batch over the window."""
+    batch_fill: float = 1.0
+    """Real tokens / padded tokens over the window (1.0 = no padding)."""
+    items_rate: float = 0.0
+    tokens_per_second: float = 0.0
+    """Generated tokens per second (generation only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerObservation:
+    worker_id: int
+    pid: int | None
+    state: str
+    busy_fraction: float
+    """Share of the window the worker spent in the model (0..1)."""
+    load: int
+    cpu_percent: float | None = None
+    rss_bytes: int | None = None
+    uss_bytes: int | None = None
+    threads: int | None = None
+    cpus: tuple[int, ...] = ()
+    numa_pages: dict[int, int] = field(default_factory=dict)
+    """NUMA node -> pages of the worker's memory on it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    time: float
+    """The sampler's `now` (monotonic seconds)."""
+    window_seconds: float
+    load: Load
+    workers: tuple[WorkerObservation, ...] = ()
+    host: HostSample | None = None
+    numa: tuple[NumaNode, ...] = ()
+    gpu: GpuReport | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def busy_fraction(self) -> float:
+        """Mean busy fraction of the ready workers (0 with none)."""
+        ready = [w.busy_fraction for w in self.workers if w.state == "ready"]
+        return sum(ready) / len(ready) if ready else 0.0
