@@ -60,12 +60,23 @@ def _load(model_path: str, task: str, device: str, dtype: str):
 
     die_with_parent()
     torch.set_num_threads(1)
+    _no_background_threads()
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     model = load_model(model_path, task, torch_dtype)
     if threading.active_count() > 1:  # idle native pools (torch, OpenBLAS) are fork-safe; Python threads are not
-        log.warning("zygote has %d Python threads after loading; forking may be unsafe", threading.active_count())
+        names = [t.name for t in threading.enumerate()]
+        log.warning("zygote has Python threads %s after loading; forking may be unsafe", names)
     return model, device, str(torch_dtype).removeprefix("torch.")
+
+
+def _no_background_threads() -> None:
+    """Progress bars start a tqdm monitor thread; a forked child would inherit its locks."""
+    import tqdm
+    from transformers.utils import logging as hf_logging
+
+    tqdm.tqdm.monitor_interval = 0
+    hf_logging.disable_progress_bar()
 
 
 def _fork(conn: Connection, spec: m.WorkerSpec, model) -> None:

@@ -1,0 +1,685 @@
+"""Engine benchmark: how close the serving engine gets to the model's physical limit.
+
+Measures, on one model (default builtin:minilm) and fixed-length inputs (16 tokens):
+
+  (a) the physical limit: raw in-process batched throughput (tokenize + forward + pool,
+      EmbeddingRunner) at batch sizes 1..64, as 1 process x N threads and as N separate
+      processes x 1 thread running concurrently (summed); the best of all is "the limit";
+  (b) the engine's saturated throughput through the Python API (one text per request, many
+      outstanding) with matching knobs, and a few nearby knob settings, as a ratio to (a);
+  (c) per-request engine overhead at low load: p50 latency of sequential single-text
+      requests minus the bare in-process time of the same request (batch 1, 1 thread);
+  (d) memory: summed PSS of the front process + zygote + workers with 1, 2 and 4 workers.
+
+The front process (this script) never imports torch: every in-process measurement runs in
+spawned child processes, so the PSS in (d) is the engine's own.
+
+    python bench/engine_bench.py            # full run, ~4-5 minutes on 2 cores
+    python bench/engine_bench.py --quick    # ~1.5 minutes, shorter windows
+    python bench/engine_bench.py --json     # last stdout line: one JSON object
+    python bench/engine_bench.py --out DIR  # also writes DIR/engine_bench.{json,md}
+
+Progress goes to stderr; the report (markdown) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TARGET_TOKENS = 16
+BATCH_SIZES = (1, 4, 8, 16, 32, 64)
+_T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+_WORDS = (
+    "the a small large quick slow red blue green old new good bad first last long short high low "
+    "city river house garden market school train window table water light music paper street "
+    "road bridge forest mountain village ocean island family friend teacher doctor student "
+    "runs walks reads writes builds opens closes finds keeps makes takes gives sees hears "
+    "today always never often early later near under over after before with without from into"
+).split()
+
+
+def make_texts(tokenizer, n: int = 512, tokens: int = TARGET_TOKENS, seed: int = 0) -> list[str]:
+    """`n` distinct sentences that tokenize to exactly `tokens` ids (with [CLS]/[SEP])."""
+    rng = random.Random(seed)
+    texts: list[str] = []
+    seen: set[str] = set()
+    while len(texts) < n:
+        words = rng.choices(_WORDS, k=tokens - 2)
+        text = " ".join(words).capitalize() + "."
+        if text in seen:
+            continue
+        if len(tokenizer(text)["input_ids"]) == tokens:
+            texts.append(text)
+            seen.add(text)
+        else:  # drop the final period if that is what overshoots
+            text = text[:-1]
+            if text not in seen and len(tokenizer(text)["input_ids"]) == tokens:
+                texts.append(text)
+                seen.add(text)
+    return texts
+
+
+# ---- (a) in-process limit: runs in spawned children ---------------------------------------
+
+
+def _child_setup(threads: int):
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    return torch
+
+
+def _load_runner(path: str):
+    import numpy as np
+    import torch
+
+    from engine.embedding import EmbeddingRunner
+    from engine.loading import load_model, load_tokenizer
+
+    model = load_model(path, "embed", torch.float32)
+    tokenizer = load_tokenizer(path)
+    runner = EmbeddingRunner(model, "cpu")
+    hidden = model.config.hidden_size
+
+    def embed(texts: list[str]):
+        enc = tokenizer(texts, padding=True, return_tensors="np")
+        ids = enc["input_ids"].astype(np.int32, copy=False)
+        lengths = tuple(int(x) for x in enc["attention_mask"].sum(axis=1))
+        out = np.empty((len(texts), hidden), dtype=np.float32)
+        runner.run(ids, lengths, out)
+        return out, ids, lengths
+
+    return embed, runner, hidden
+
+
+def _limit_child(path, threads, texts, batch_sizes, duration, barrier, results, rank):
+    """One process of a layout: per batch size, warm up, meet the others, run `duration` s."""
+    try:
+        _child_setup(threads)
+        embed, _, _ = _load_runner(path)
+        embed(texts[:2])
+        out = {}
+        cursor = 0
+        for bs in batch_sizes:
+            warm_until = time.perf_counter() + min(0.5, duration / 3)
+            while time.perf_counter() < warm_until:
+                embed(texts[cursor : cursor + bs] or texts[:bs])
+                cursor = (cursor + bs) % (len(texts) - bs)
+            barrier.wait(timeout=120)
+            done = 0
+            started = time.perf_counter()
+            end = started + duration
+            while True:
+                embed(texts[cursor : cursor + bs])
+                cursor = (cursor + bs) % (len(texts) - bs)
+                done += bs
+                now = time.perf_counter()
+                if now >= end:
+                    break
+            out[bs] = (done, now - started)
+        results.put((rank, out))
+    except BaseException as exc:  # report, never hang the parent
+        results.put((rank, {"error": repr(exc)}))
+
+
+def run_layout(ctx, path, processes, threads, texts, batch_sizes, duration) -> dict[int, float]:
+    """Sentences/s per batch size for `processes` concurrent processes x `threads` threads."""
+    barrier = ctx.Barrier(processes)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_limit_child, args=(path, threads, texts, batch_sizes, duration, barrier, results, r))
+        for r in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        rank, out = results.get(timeout=600)
+        if "error" in out:
+            raise RuntimeError(f"limit child {rank} failed: {out['error']}")
+        got[rank] = out
+    for p in procs:
+        p.join()
+    return {bs: sum(got[r][bs][0] / got[r][bs][1] for r in got) for bs in batch_sizes}
+
+
+def _bare_latency_child(path, text, repeats, results):
+    """Bare in-process time of one request (batch 1, 1 thread): tokenize+forward+pool, and forward+pool only."""
+    try:
+        _child_setup(1)
+        embed, runner, hidden = _load_runner(path)
+        import numpy as np
+
+        _, ids, lengths = embed([text])
+        out = np.empty((1, hidden), dtype=np.float32)
+        for _ in range(30):
+            embed([text])
+        full, fwd = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            embed([text])
+            full.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            runner.run(ids, lengths, out)
+            fwd.append(time.perf_counter() - t)
+        gap = []  # the same forward after a 2 ms idle gap, as a worker sees it under sequential load
+        for _ in range(repeats // 2):
+            time.sleep(0.002)
+            t = time.perf_counter()
+            runner.run(ids, lengths, out)
+            gap.append(time.perf_counter() - t)
+        results.put({"full_p50": statistics.median(full), "forward_p50": statistics.median(fwd),
+                     "forward_after_idle_p50": statistics.median(gap)})
+    except BaseException as exc:
+        results.put({"error": repr(exc)})
+
+
+def bare_latency(ctx, path, text, repeats) -> dict:
+    results = ctx.Queue()
+    p = ctx.Process(target=_bare_latency_child, args=(path, text, repeats, results))
+    p.start()
+    out = results.get(timeout=600)
+    p.join()
+    if "error" in out:
+        raise RuntimeError(out["error"])
+    return out
+
+
+# ---- other load on the machine -----------------------------------------------------------
+
+
+class LoadMonitor:
+    """Samples, every `interval` s, how many cores processes outside this benchmark's tree use.
+
+    Busy CPU of the whole machine (/proc/stat) minus the CPU of this process and all its
+    descendants; `foreign(t0, t1)` is the mean over a window. Other people's tests on a shared
+    machine show up here, and the benchmark waits for quiet before each measurement.
+    """
+
+    def __init__(self, interval: float = 0.5):
+        import psutil
+
+        self._psutil = psutil
+        self.interval = interval
+        self.samples: list[tuple[float, float]] = []  # (time, foreign cores over the last interval)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-loadmon", daemon=True)
+        self._thread.start()
+
+    def _ours(self) -> dict[int, float]:
+        me = self._psutil.Process()
+        out = {}
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system + t.children_user + t.children_system
+            except self._psutil.Error:
+                pass
+        return out
+
+    def _busy(self) -> float:
+        t = self._psutil.cpu_times()
+        return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
+
+    def _run(self) -> None:
+        prev_t, prev_busy, prev_ours = time.monotonic(), self._busy(), self._ours()
+        while not self._stop.wait(self.interval):
+            now, busy, ours = time.monotonic(), self._busy(), self._ours()
+            mine = sum(max(0.0, v - prev_ours[pid]) for pid, v in ours.items() if pid in prev_ours)
+            mine += sum(v for pid, v in ours.items() if pid not in prev_ours)
+            foreign = max(0.0, (busy - prev_busy) - mine) / (now - prev_t)
+            self.samples.append((now, foreign))
+            prev_t, prev_busy, prev_ours = now, busy, ours
+
+    def foreign(self, t0: float, t1: float) -> float:
+        window = [f for (t, f) in self.samples if t0 < t <= t1 + self.interval / 2]
+        return statistics.fmean(window) if window else float("nan")
+
+    def wait_quiet(self, threshold: float = 0.15, quiet_for: float = 2.0, max_wait: float = 60.0) -> float:
+        """Wait until others use < `threshold` cores for `quiet_for` s; returns seconds waited."""
+        started = time.monotonic()
+        warned = False
+        while time.monotonic() - started < max_wait:
+            now = time.monotonic()
+            recent = [f for (t, f) in self.samples if t > now - quiet_for]
+            if len(recent) >= max(1, int(quiet_for / self.interval) - 1) and max(recent) < threshold:
+                return now - started
+            if not warned and now - started > 1.0:
+                log(f"  waiting for other processes to go quiet (now {recent[-1] if recent else float('nan'):.2f} cores busy)")
+                warned = True
+            time.sleep(self.interval)
+        log(f"  machine still busy after {max_wait:.0f}s; measuring anyway (see the 'other load' column)")
+        return time.monotonic() - started
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ---- engine helpers -------------------------------------------------------------------------
+
+
+def engine_procs(eng):
+    import psutil
+
+    pids = eng.pids
+    procs = {"front": psutil.Process(os.getpid())}
+    for pid in pids["zygote"]:
+        procs["zygote"] = psutil.Process(pid)
+    for i, pid in enumerate(pids["workers"]):
+        procs[f"worker{i}"] = psutil.Process(pid)
+    return procs
+
+
+def cpu_times(procs) -> dict[str, float]:
+    out = {}
+    for name, p in procs.items():
+        try:
+            t = p.cpu_times()
+            out[name] = t.user + t.system
+        except Exception:
+            out[name] = float("nan")
+    return out
+
+
+def front_thread_cpu() -> dict[str, float]:
+    """CPU seconds per front-process thread, by thread name (from /proc)."""
+    import psutil
+
+    names = {}
+    for t in threading.enumerate():
+        if t.native_id is not None:
+            names[t.native_id] = t.name
+    out = {}
+    for th in psutil.Process().threads():
+        name = names.get(th.id, f"native-{th.id}")
+        out[name] = out.get(name, 0.0) + th.user_time + th.system_time
+    return out
+
+
+def saturate(eng, texts, outstanding: int, warmup: float, duration: float, label: str, mon: "LoadMonitor") -> dict:
+    """Keep `outstanding` single-text requests in flight; completed/s over `duration` after `warmup`."""
+    sem = threading.Semaphore(outstanding)
+    stop = threading.Event()
+    done_log: list = []
+    errors: list = []
+
+    def on_done(f):
+        sem.release()
+        exc = f.exception()
+        if exc is not None:
+            errors.append(exc)
+        else:
+            done_log.append((time.monotonic(), f.result().timings))
+
+    def feeder():
+        i = 0
+        while not stop.is_set():
+            if not sem.acquire(timeout=0.1):
+                continue
+            eng.embed(texts[i % len(texts)]).add_done_callback(on_done)
+            i += 1
+
+    thread = threading.Thread(target=feeder, name="bench-feeder", daemon=True)
+    thread.start()
+    time.sleep(warmup)
+    procs = engine_procs(eng)
+    s0, c0, th0, t0 = eng.stats(), cpu_times(procs), front_thread_cpu(), time.monotonic()
+    n0 = len(done_log)
+    next_print = t0 + 2.0
+    while (now := time.monotonic()) < t0 + duration:
+        time.sleep(min(0.25, t0 + duration - now))
+        if time.monotonic() >= next_print:
+            next_print += 2.0
+            rate = (len(done_log) - n0) / (time.monotonic() - t0)
+            log(f"  {label}: {rate:7.1f} req/s so far")
+    s1, c1, th1, t1 = eng.stats(), cpu_times(procs), front_thread_cpu(), time.monotonic()
+    n1 = len(done_log)
+    stop.set()
+    thread.join()
+    deadline = time.monotonic() + 60
+    while eng.stats().pending_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wall = t1 - t0
+    window = [tm for (ts, tm) in done_log[n0:n1]]
+    k0, k1 = s0.counters, s1.counters
+    busy0 = {w.worker_id: w.busy_seconds for w in s0.workers}
+    busy = {w.worker_id: (w.busy_seconds - busy0.get(w.worker_id, 0.0)) / wall for w in s1.workers}
+
+    def mean(attr):
+        return statistics.fmean(getattr(t, attr) for t in window) * 1e3 if window else float("nan")
+
+    batches = k1.batches - k0.batches
+    return {
+        "label": label,
+        "knobs": eng.knobs.as_dict(),
+        "outstanding": outstanding,
+        "seconds": wall,
+        "completed": k1.completed - k0.completed,
+        "throughput": (k1.completed - k0.completed) / wall,
+        "mean_batch": (k1.items - k0.items) / batches if batches else 0.0,
+        "worker_model_busy": busy,
+        "cpu_share": {name: (c1[name] - c0[name]) / wall for name in c0},
+        "front_threads_cpu": {name: (th1.get(name, 0.0) - th0.get(name, 0.0)) / wall for name in th1},
+        "timings_ms": {a: mean(a) for a in ("preprocess", "queue", "model", "total")},
+        "errors": len(errors),
+        "other_load_cores": mon.foreign(t0, t1),
+    }
+
+
+def pss_report(eng) -> dict[str, float]:
+    out = {}
+    for name, p in engine_procs(eng).items():
+        out[name] = p.memory_full_info().pss / 2**20
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    import importlib.metadata as md
+
+    import psutil
+
+    cpu = "unknown"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except Exception:
+        pass
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "kernel": platform.release(),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="builtin:minilm")
+    ap.add_argument("--quick", action="store_true", help="short windows (~1.5 min)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    ap.add_argument("--out", help="directory for engine_bench.json and engine_bench.md")
+    ap.add_argument("--outstanding", type=int, default=256,
+                    help="requests kept in flight in (b); raised to 2x the engine's in-flight capacity "
+                    "(workers x max_inflight_batches x max_batch_size) so the batcher always has full batches")
+    ap.add_argument("--max-wait", type=float, default=30.0, help="most seconds to wait for quiet before each measurement")
+    ap.add_argument("--no-wait", action="store_true", help="do not wait for other processes to go quiet before measuring")
+    args = ap.parse_args(argv)
+
+    from engine.config import EngineConfig, Knobs
+    from engine.engine import Engine
+    from engine.loading import load_tokenizer
+    from engine.model_source import resolve_model
+
+    quick = args.quick
+    limit_secs = 0.8 if quick else 2.5
+    sat_warm, sat_secs, var_secs = (1.5, 4.0, 3.0) if quick else (2.0, 10.0, 6.0)
+    lat_n = 100 if quick else 400
+
+    info = machine_info()
+    log(f"machine: {info}")
+    source = resolve_model(args.model, EngineConfig().cache_dir)
+    tokenizer = load_tokenizer(source.path)
+    texts = make_texts(tokenizer)
+    n_tokens = len(tokenizer(texts[0])["input_ids"])
+    log(f"model {source.name} at {source.path}; {len(texts)} inputs of {n_tokens} tokens each")
+    ctx = mp.get_context("spawn")
+    result: dict = {"machine": info, "model": source.name, "input_tokens": n_tokens, "quick": quick}
+    cores = os.cpu_count() or 1
+    mon = LoadMonitor()
+
+    def quiet():
+        if not args.no_wait:
+            mon.wait_quiet(max_wait=args.max_wait)
+
+    try:
+        return _run(args, result, source, texts, ctx, cores, mon, quiet, limit_secs, sat_warm, sat_secs, var_secs, lat_n)
+    finally:
+        mon.close()
+
+
+def _run(args, result, source, texts, ctx, cores, mon, quiet, limit_secs, sat_warm, sat_secs, var_secs, lat_n) -> int:
+    from engine.config import EngineConfig, Knobs
+    from engine.engine import Engine
+
+    quick = args.quick
+
+    # (a) the physical limit
+    layouts = [(1, cores), (cores, 1)] if cores > 1 else [(1, 1)]
+    limit: dict[str, dict[int, float]] = {}
+    other: dict[str, float] = {}
+    for procs_n, threads in layouts:
+        name = f"{procs_n}x{threads}"
+        log(f"(a) in-process limit, {procs_n} process(es) x {threads} thread(s), batch sizes {BATCH_SIZES}, {limit_secs}s each")
+        quiet()
+        t0 = time.monotonic()
+        limit[name] = run_layout(ctx, source.path, procs_n, threads, texts, BATCH_SIZES, limit_secs)
+        other[name] = mon.foreign(t0, time.monotonic())
+        log("    " + "  ".join(f"b{bs}={v:.0f}/s" for bs, v in limit[name].items()) + f"  (other load {other[name]:.2f} cores)")
+    best_layout, best_bs = max(((n, bs) for n in limit for bs in limit[n]), key=lambda k: limit[k[0]][k[1]])
+    best = limit[best_layout][best_bs]
+    log(f"(a) limit: {best:.0f} sentences/s ({best_layout}, batch {best_bs})")
+    result["limit"] = {"per_layout": {n: {str(b): v for b, v in d.items()} for n, d in limit.items()},
+                       "best": best, "best_layout": best_layout, "best_batch": best_bs,
+                       "other_load_cores": other}
+
+    log(f"(c) bare in-process latency, batch 1, 1 thread, {lat_n} repeats")
+    quiet()
+    t0 = time.monotonic()
+    bare = bare_latency(ctx, source.path, texts[0], lat_n)
+    bare["other_load_cores"] = mon.foreign(t0, time.monotonic())
+    log(f"    tokenize+forward+pool p50 {bare['full_p50']*1e3:.2f} ms; forward+pool p50 {bare['forward_p50']*1e3:.2f} ms; "
+        f"forward+pool after 2 ms idle p50 {bare['forward_after_idle_p50']*1e3:.2f} ms")
+
+    # (b) saturation through the Python API
+    procs_n, threads = (int(x) for x in best_layout.split("x"))
+    base = Knobs(process_count=procs_n, threads_per_process=threads, io_threads=2, batch_timeout=0.002, max_batch_size=best_bs)
+    variants = [("base", base)]
+    if not quick:
+        variants += [
+            ("io_threads=1", base.replace(io_threads=1)),
+            (f"max_batch={max(1, best_bs // 2)}", base.replace(max_batch_size=max(1, best_bs // 2))),
+            (f"max_batch={min(256, best_bs * 2)}", base.replace(max_batch_size=min(256, best_bs * 2))),
+            ("batch_timeout=0", base.replace(batch_timeout=0.0)),
+        ]
+    else:
+        variants += [("io_threads=1", base.replace(io_threads=1))]
+    log(f"(b) engine saturation, >= {args.outstanding} outstanding single-text requests, knobs {base.as_dict()}")
+    sat = []
+    eng = Engine(EngineConfig(model=args.model, knobs=base)).start()
+    try:
+        eng.wait_ready(workers=procs_n)
+        for label, knobs in variants:
+            if knobs != eng.knobs:
+                eng.apply(knobs)
+                eng.wait_ready(workers=knobs.process_count)
+            secs = sat_secs if label == "base" else var_secs
+            quiet()
+            capacity = knobs.process_count * eng.config.max_inflight_batches * knobs.max_batch_size
+            r = saturate(eng, texts, max(args.outstanding, 2 * capacity), sat_warm, secs, label, mon)
+            r["ratio"] = r["throughput"] / best
+            sat.append(r)
+            t = r["timings_ms"]
+            log(
+                f"    {label}: {r['throughput']:.1f} req/s = {r['ratio']:.2f} x limit; mean batch {r['mean_batch']:.1f}; "
+                f"cpu {', '.join(f'{k} {v:.2f}' for k, v in r['cpu_share'].items())}; "
+                f"model-busy {', '.join(f'{v:.2f}' for v in r['worker_model_busy'].values())}; "
+                f"ms: pre {t['preprocess']:.1f} queue {t['queue']:.1f} model {t['model']:.1f} total {t['total']:.1f}; "
+                f"other load {r['other_load_cores']:.2f} cores"
+            )
+    finally:
+        eng.shutdown()
+    best_sat = max(sat, key=lambda r: r["throughput"])
+    result["saturation"] = {"runs": sat, "best": best_sat["label"], "best_ratio": best_sat["ratio"],
+                            "base_ratio": sat[0]["ratio"]}
+
+    # (c) low-load latency and (d) memory, on one engine grown 1 -> 2 -> 4 workers
+    log("(c) sequential single-text requests, 1 worker x 1 thread, batch_timeout=0, io_threads=0 (inline tokenization)")
+    knobs = Knobs(process_count=1, threads_per_process=1, io_threads=0, batch_timeout=0.0, max_batch_size=best_bs)
+    eng = Engine(EngineConfig(model=args.model, knobs=knobs)).start()
+    try:
+        eng.wait_ready(workers=1)
+        for _ in range(30):
+            eng.embed(texts[0]).result(timeout=60)
+        quiet()
+        lats, parts = [], []
+        t0 = time.monotonic()
+        for _ in range(lat_n):
+            t = time.perf_counter()
+            r = eng.embed(texts[0]).result(timeout=60)
+            lats.append(time.perf_counter() - t)
+            parts.append(r.timings)
+        lat_other = mon.foreign(t0, time.monotonic())
+        p50 = statistics.median(lats)
+        non_model = statistics.median(l - x.model for l, x in zip(lats, parts))
+        med = {a: statistics.median(getattr(x, a) for x in parts) * 1e3 for a in ("preprocess", "queue", "model", "total")}
+        overhead = p50 - bare["full_p50"]
+        result["latency"] = {
+            "engine_p50_ms": p50 * 1e3,
+            "engine_p90_ms": statistics.quantiles(lats, n=10)[-1] * 1e3,
+            "bare_p50_ms": bare["full_p50"] * 1e3,
+            "bare_forward_p50_ms": bare["forward_p50"] * 1e3,
+            "bare_forward_after_idle_p50_ms": bare["forward_after_idle_p50"] * 1e3,
+            "overhead_ms": overhead * 1e3,
+            "overhead_vs_forward_only_ms": (p50 - bare["forward_p50"]) * 1e3,
+            "timings_p50_ms": med,
+            "non_model_p50_ms": non_model * 1e3,
+            "other_load_cores": lat_other,
+            "bare_other_load_cores": bare["other_load_cores"],
+        }
+        log(f"    engine p50 {p50*1e3:.2f} ms vs bare {bare['full_p50']*1e3:.2f} ms -> overhead {overhead*1e3:.2f} ms; "
+            f"latency - worker model time p50 {non_model*1e3:.2f} ms; parts {med}; other load {lat_other:.2f} cores")
+
+        mem = {}
+        for n in (1, 2, 4):
+            log(f"(d) memory with {n} worker(s)")
+            if eng.knobs.process_count != n:
+                eng.apply(eng.knobs.replace(process_count=n))
+                eng.wait_ready(workers=n)
+            # a few requests on every worker: enough concurrent ones that each gets batches
+            for _ in range(3):
+                futs = [eng.embed(texts[i : i + 1]) for i in range(8 * n)]
+                for f in futs:
+                    f.result(timeout=60)
+            time.sleep(0.3)
+            mem[n] = pss_report(eng)
+            log("    " + ", ".join(f"{k} {v:.1f} MiB" for k, v in mem[n].items()))
+        result["memory_pss_mib"] = {str(n): v for n, v in mem.items()}
+        result["memory_ratio_4_vs_1"] = mem[4]["total"] / mem[1]["total"]
+    finally:
+        eng.shutdown()
+
+    result["targets"] = {
+        "saturation_ratio_ge_0.9": best_sat["ratio"] >= 0.9,
+        "overhead_le_1ms": result["latency"]["overhead_ms"] <= 1.0,
+        "memory_4_le_1.5x_1": result["memory_ratio_4_vs_1"] <= 1.5,
+    }
+    report = render(result)
+    print(report)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "engine_bench.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        with open(os.path.join(args.out, "engine_bench.md"), "w") as f:
+            f.write(report + "\n")
+    if args.json:
+        print(json.dumps(result))
+    log("done")
+    return 0
+
+
+def render(r: dict) -> str:
+    m = r["machine"]
+    lim = r["limit"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; Python {m['python']}, "
+        f"torch {m['torch']}, transformers {m['transformers']}; model {r['model']}, inputs of {r['input_tokens']} tokens"
+        + (" (--quick)" if r["quick"] else ""),
+        "",
+        "(a) In-process limit (tokenize + forward + pool), sentences/s:",
+        "",
+        "| layout | " + " | ".join(f"batch {b}" for b in BATCH_SIZES) + " | other load (cores) |",
+        "|---|" + "---|" * (len(BATCH_SIZES) + 1),
+    ]
+    for name, d in lim["per_layout"].items():
+        procs_n, threads = name.split("x")
+        lines.append(f"| {procs_n} proc x {threads} thread | " + " | ".join(f"{d[str(b)]:.0f}" for b in BATCH_SIZES) + f" | {lim['other_load_cores'][name]:.2f} |")
+    lines += ["", "(b) Engine at saturation (one text per request):", "",
+              "| knobs | req/s | ratio to limit | mean batch | model-busy per worker | CPU (cores) front / workers | mean ms pre / queue / model / total | other load (cores) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for s in r["saturation"]["runs"]:
+        k = s["knobs"]
+        cpu = s["cpu_share"]
+        workers = " + ".join(f"{v:.2f}" for n, v in cpu.items() if n.startswith("worker"))
+        t = s["timings_ms"]
+        lines.append(
+            f"| {s['label']} (out {s['outstanding']}, p{k['process_count']}xt{k['threads_per_process']}, io {k['io_threads']}, "
+            f"mb {k['max_batch_size']}, bt {k['batch_timeout']}) | {s['throughput']:.0f} | {s['ratio']:.2f} | "
+            f"{s['mean_batch']:.1f} | {' / '.join(f'{v:.2f}' for v in s['worker_model_busy'].values())} | "
+            f"{cpu['front']:.2f} / {workers} | {t['preprocess']:.1f} / {t['queue']:.1f} / {t['model']:.1f} / {t['total']:.1f} | {s['other_load_cores']:.2f} |"
+        )
+    lat = r["latency"]
+    lines += ["", "Summary:", "", "| measure | value | target | met |", "|---|---|---|---|"]
+    t = r["targets"]
+    lines += [
+        f"| (a) physical limit | {lim['best']:.0f} sentences/s ({lim['best_layout'].replace('x', ' proc x ')} thread, batch {lim['best_batch']}) | | |",
+        f"| (b) engine saturated / limit | {r['saturation']['best_ratio']:.2f} (best: {r['saturation']['best']}; base {r['saturation']['base_ratio']:.2f}) | >= 0.9 | {'yes' if t['saturation_ratio_ge_0.9'] else 'NO'} |",
+        f"| (c) engine p50 latency, 1 text | {lat['engine_p50_ms']:.2f} ms (p90 {lat['engine_p90_ms']:.2f}; other load {lat['other_load_cores']:.2f} cores) | | |",
+        f"| (c) bare in-process p50 (tokenize+forward+pool; forward+pool) | {lat['bare_p50_ms']:.2f} ms; {lat['bare_forward_p50_ms']:.2f} ms | | |",
+        f"| (c) per-request overhead (engine p50 - bare p50) | {lat['overhead_ms']:.2f} ms | <= 1 ms | {'yes' if t['overhead_le_1ms'] else 'NO'} |",
+        f"| (c) cross-check: p50 of (latency - worker-measured model time) | {lat['non_model_p50_ms']:.2f} ms | | |",
+        f"| (c) cross-check: worker-measured model time p50 vs bare forward back-to-back / after a 2 ms idle gap | {lat['timings_p50_ms']['model']:.2f} ms vs {lat['bare_forward_p50_ms']:.2f} / {lat['bare_forward_after_idle_p50_ms']:.2f} ms | | |",
+    ]
+    mem = r["memory_pss_mib"]
+    for n in ("1", "2", "4"):
+        d = mem[n]
+        per = ", ".join(f"{k} {v:.0f}" for k, v in d.items() if k != "total")
+        lines.append(f"| (d) PSS, {n} worker(s) | {d['total']:.0f} MiB ({per}) | | |")
+    lines.append(f"| (d) PSS 4 workers / 1 worker | {r['memory_ratio_4_vs_1']:.2f} | <= 1.5 | {'yes' if t['memory_4_le_1.5x_1'] else 'NO'} |")
+    tp = lat["timings_p50_ms"]
+    lines += ["", f"(c) engine timings p50 (ms): preprocess {tp['preprocess']:.2f}, queue {tp['queue']:.2f}, model {tp['model']:.2f}, total {tp['total']:.2f}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
