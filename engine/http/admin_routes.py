@@ -6,7 +6,7 @@ constant time. Pinned knobs are left alone by autotuning.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from engine.config import KnobError
 from engine.http.errors import APIError
@@ -64,3 +64,23 @@ async def unpin_knobs(request: Request, name: str | None = None):
     else:
         raise APIError(404, f"knob {name!r} is not pinned", param="name")
     return _knobs_view(state)
+
+
+@router.get("/decisions")
+async def decisions(request: Request, limit: int = Query(100, ge=1, le=10_000)):
+    state = state_of(request)
+    if state.decisions is None:
+        return {"autotune": False, "decisions": []}
+    return {"autotune": True, "decisions": state.decisions(limit)}
+
+
+@router.post("/policy/reload")
+async def reload_policy(request: Request):
+    state = state_of(request)
+    if state.reload_policy is None:
+        raise APIError(409, "autotuning is off; there is no policy to reload", code="autotune_off")
+    try:
+        name = state.reload_policy()
+    except ValueError as exc:
+        raise APIError(422, f"the policy file was rejected; the running policy stays: {exc}") from None
+    return {"policy": name, "reloaded": True}

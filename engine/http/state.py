@@ -37,6 +37,10 @@ class ServerState:
     """Requests answered 504 so far."""
     observe: Callable[[], dict | None] | None = None
     """The latest Observation as a dict, when monitors are wired in (shown in /stats)."""
+    decisions: Callable[[int], list[dict]] | None = None
+    """The autotuner's recent decisions, when it runs (GET /admin/decisions)."""
+    reload_policy: Callable[[], str] | None = None
+    """Re-read the policy file; raises ValueError with a message for a bad file."""
 
     def __post_init__(self):
         self.admission = Admission(self.limits.max_queued_requests)

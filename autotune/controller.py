@@ -1,0 +1,174 @@
+"""The controller: every interval, observation -> policy -> guardrails -> engine.apply().
+
+It listens to the sampler (each new Observation) and acts at most every `interval_seconds`.
+Guardrails: one structural change (process_count) in flight at a time, a cooldown after each
+change, bounds from the machine, pinned knobs untouched, and fail-static: a policy that
+raises or answers nonsense is logged and the last good knobs stay. Every decision that
+changes something, or fails, is appended to an audit log (JSONL) and kept for
+GET /admin/decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from autotune.guardrails import MachineLimits, constrain, effective_bounds, is_sane
+from engine.config import Bounds, Knobs
+from monitors.observation import Observation
+from policies.base import Policy
+
+log = logging.getLogger("selftune.controller")
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    interval_seconds: float = 5.0
+    """Decide at most this often."""
+    cooldown_seconds: float = 10.0
+    """After a change, wait this long before the next decision (let the system settle)."""
+    dry_run: bool = False
+    """Decide and log, apply nothing."""
+    audit_log: str | None = None
+    """JSONL file every decision is appended to; None keeps them in memory only."""
+    limits: MachineLimits = MachineLimits(usable_cores=1)
+    keep_decisions: int = 1000
+
+
+class Controller:
+    def __init__(
+        self,
+        engine,
+        policy: Policy,
+        bounds: Bounds,
+        config: ControllerConfig,
+        pinned: Callable[[], set[str]] = set,
+        load_policy: Callable[[], Policy] | None = None,
+    ):
+        self.engine = engine
+        self.policy = policy
+        self.bounds = bounds
+        self.config = config
+        self.pinned = pinned
+        self.load_policy = load_policy
+        self.reload_requested = False
+        """Set by SIGHUP's handler; the next observation reloads the policy file."""
+        self._lock = threading.Lock()
+        self._decisions: collections.deque[dict] = collections.deque(maxlen=config.keep_decisions)
+        self._next_decision_at = 0.0
+
+    # ---- policy file -----------------------------------------------------------------------
+
+    def reload(self) -> str:
+        """Re-read the policy file; a bad file raises (PolicyError) and the running policy stays."""
+        if self.load_policy is None:
+            raise RuntimeError("this controller was not started from a policy file")
+        policy = self.load_policy()
+        with self._lock:
+            old, self.policy = self.policy.name, policy
+        self._record({"outcome": "policy-reloaded", "reason": f"policy {old} -> {policy.name}"})
+        log.info("policy reloaded: %s -> %s", old, policy.name)
+        return policy.name
+
+    # ---- the loop body -----------------------------------------------------------------------
+
+    def on_observation(self, observation: Observation) -> None:
+        if self.reload_requested:
+            self.reload_requested = False
+            try:
+                self.reload()
+            except Exception as exc:
+                log.error("policy reload failed; the running policy stays: %s", exc)
+                self._record({"outcome": "policy-reload-failed", "reason": str(exc)})
+        now = observation.time
+        if now < self._next_decision_at:
+            return
+        if self._structural_change_in_flight(observation):
+            return
+        with self._lock:
+            self._decide(observation, now)
+
+    def _decide(self, observation: Observation, now: float) -> None:
+        self._next_decision_at = now + self.config.interval_seconds
+        current = self.engine.knobs
+        limits = self._limits(observation)
+        bounds = effective_bounds(self.bounds, limits, current)
+        try:
+            decision = self.policy.decide(observation, current, bounds)
+        except Exception as exc:
+            log.exception("policy %s raised; keeping %s", self.policy.name, current)
+            self._record(self._entry(observation, current, None, None, "policy-error", f"{type(exc).__name__}: {exc}"))
+            return
+        if not is_sane(getattr(decision, "knobs", None)):
+            log.error("policy %s answered nonsense (%r); keeping the knobs", self.policy.name, decision)
+            self._record(self._entry(observation, current, None, None, "policy-nonsense", repr(decision)[:500]))
+            return
+        knobs, notes = constrain(decision.knobs, current, self.bounds, limits, self.pinned())
+        if knobs == current:
+            return
+        if self.config.dry_run:
+            self._record(self._entry(observation, current, decision.knobs, knobs, "dry-run", decision.reason, notes))
+            return
+        try:
+            self.engine.apply(knobs)
+        except Exception as exc:
+            log.exception("applying %s failed", knobs)
+            self._record(self._entry(observation, current, decision.knobs, knobs, "apply-failed", f"{decision.reason}; {exc}", notes))
+            return
+        self._next_decision_at = now + max(self.config.interval_seconds, self.config.cooldown_seconds)
+        log.info("autotune: %s (%s)", _diff(current, knobs), decision.reason)
+        self._record(self._entry(observation, current, decision.knobs, knobs, "applied", decision.reason, notes))
+
+    def _structural_change_in_flight(self, observation: Observation) -> bool:
+        """A worker still warming up or draining: wait until the last change has landed."""
+        return any(w.state in ("starting", "draining") for w in observation.workers)
+
+    def _limits(self, observation: Observation) -> MachineLimits:
+        uss = [w.uss_bytes for w in observation.workers if w.uss_bytes]
+        if uss and self.config.limits.memory_budget_bytes:
+            return dataclasses.replace(self.config.limits, worker_memory_bytes=max(uss))
+        return self.config.limits
+
+    # ---- audit -------------------------------------------------------------------------------
+
+    def _entry(self, obs: Observation, old: Knobs, proposed, applied, outcome: str, reason: str, notes=()) -> dict:
+        total = obs.load.latency.get("total")
+        return {
+            "policy": self.policy.name,
+            "outcome": outcome,
+            "reason": reason,
+            "notes": list(notes),
+            "old": old.as_dict(),
+            "proposed": proposed.as_dict() if proposed is not None else None,
+            "new": applied.as_dict() if applied is not None else None,
+            "observation": {
+                "arrival_rate": round(obs.load.arrival_rate, 3),
+                "completion_rate": round(obs.load.completion_rate, 3),
+                "p99_seconds": None if total is None or total.p99 is None else round(total.p99, 5),
+                "busy_fraction": round(obs.busy_fraction, 3),
+                "queue_depth": obs.load.queue_depth,
+                "batch_size": round(obs.load.batch_size, 2),
+                "workers": len(obs.workers),
+            },
+        }
+
+    def _record(self, entry: dict) -> None:
+        entry = {"time": time.time(), **entry}
+        self._decisions.append(entry)
+        if self.config.audit_log:
+            with open(self.config.audit_log, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def decisions(self, limit: int = 100) -> list[dict]:
+        return list(self._decisions)[-limit:]
+
+
+def _diff(old: Knobs, new: Knobs) -> str:
+    changes = [f"{k} {v} -> {getattr(new, k)}" for k, v in old.as_dict().items() if getattr(new, k) != v]
+    return ", ".join(changes)

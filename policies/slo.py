@@ -1,0 +1,182 @@
+"""SLO-driven adaptive batching (BentoML style): a fitted batch-latency model sets batch size and wait.
+
+Online model of one batch's time in the model, fitted by exponentially weighted recursive least
+squares (old points fade by `forgetting_factor` per observation):
+
+    service(B) ≈ a + b × B        B = mean items per batch (load.batch_size)
+                                  service = load.latency["model"].mean
+
+The Observation carries no token counts per item, so x is items per batch, not tokens per batch:
+the fit is right for a stable input-length mix and drifts (through forgetting) when it changes.
+
+With the fit, the item arrival rate λ and the current process_count P, each decision picks:
+
+    (i)  capacity:  P × B / service(B) >= λ × (1 + headroom)       smallest such B
+    (ii) latency:   batch_timeout + service(B) <= slo_p99_seconds × budget_fraction
+    batch_timeout = min(time for the shared batcher to gather B items at λ, what (ii) leaves)
+
+The rest of the SLO (1 - budget_fraction) is left for queueing. When no B up to the bound
+meets (i), the policy takes the largest B whose service still fits the budget (most throughput
+the SLO allows) and says that capacity is short: adding workers is another policy's job.
+Until the fit has `min_points` observations spread over at least `min_batch_spread` batch sizes,
+it holds. Only max_batch_size and batch_timeout change (max_batch_size only when
+`tune_batch_size`); process and thread counts are left to other policies: put this one in a
+composite next to a threshold policy for process_count.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+from pydantic import Field
+
+from engine.config import Bounds, Knobs
+from monitors.observation import Load, Observation
+from policies.base import Decision, Params, clamp_knob, describe_changes
+
+_MIN_SERVICE_SECONDS = 1e-6
+
+
+class SloParams(Params):
+    slo_p99_seconds: float = Field(gt=0)
+    """The end-to-end p99 latency objective, in seconds."""
+    budget_fraction: float = Field(0.5, gt=0, le=1)
+    """Share of the SLO that batch_timeout + one batch's service may take; the rest is for queueing."""
+    headroom: float = Field(0.2, ge=0)
+    """Capacity kept above the arrival rate: 0.2 sizes for 1.2 × the observed rate."""
+    forgetting_factor: float = Field(0.98, gt=0, le=1)
+    """Weight kept by past points at each new one (1 = never forget; 0.98 ≈ the last 50 points)."""
+    min_points: int = Field(5, ge=2)
+    """Observations fitted before the policy acts."""
+    min_batch_spread: float = Field(2.0, ge=0)
+    """Fitted batch sizes (over the last 50 points) must span at least this many items, else b is unknown."""
+    min_requests: int = Field(5, ge=1)
+    """An observation is fitted only when at least this many model latencies are in its window."""
+    tune_batch_size: bool = True
+    """Set max_batch_size to the chosen B; when false, max_batch_size is left to another policy
+    and only batch_timeout is set (for the smallest B that meets capacity, at most the current limit)."""
+
+
+class LinearFit:
+    """y ≈ a + b·x by exponentially weighted recursive least squares."""
+
+    def __init__(self, forgetting_factor: float, prior_variance: float = 1e6):
+        self.forgetting_factor = forgetting_factor
+        self.theta = np.zeros(2)
+        self.covariance = np.eye(2) * prior_variance
+        self.points = 0
+
+    def update(self, x: float, y: float) -> None:
+        phi = np.array([1.0, x])
+        lam = self.forgetting_factor
+        pphi = self.covariance @ phi
+        gain = pphi / (lam + phi @ pphi)
+        self.theta = self.theta + gain * (y - phi @ self.theta)
+        self.covariance = (self.covariance - np.outer(gain, pphi)) / lam
+        self.points += 1
+
+    @property
+    def intercept(self) -> float:
+        return float(self.theta[0])
+
+    @property
+    def slope(self) -> float:
+        return float(self.theta[1])
+
+    def predict(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+
+class SloPolicy:
+    """Adaptive batch size and timeout from a fitted batch-latency model and the arrival rate."""
+
+    kind = "slo"
+
+    def __init__(self, params: SloParams):
+        self.params = params
+        self.name = self.kind
+        self.fit = LinearFit(params.forgetting_factor)
+        self._recent_sizes: deque[float] = deque(maxlen=50)
+        self._last_fitted_time: float | None = None
+
+    def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
+        p = self.params
+        self._learn(observation)
+        if self.fit.points < p.min_points or self._spread() < p.min_batch_spread:
+            return Decision(
+                knobs,
+                f"fitting batch latency ({self.fit.points} of {p.min_points} points, batch sizes spread "
+                f"{self._spread():.1f} of {p.min_batch_spread:g}): holding",
+            )
+        demand = item_demand(observation.load)
+        if demand <= 0:
+            return Decision(knobs, f"no traffic ({self._fit_text()}): holding")
+
+        size, capacity_note = self._choose_batch_size(demand, knobs, bounds)
+        timeout = self._choose_timeout(size, demand, bounds)
+        proposal = knobs.replace(batch_timeout=timeout)
+        if p.tune_batch_size:
+            proposal = proposal.replace(max_batch_size=size)
+        service = self._service(size)
+        why = (
+            f"{self._fit_text()}; {demand:.0f} items/s on {knobs.process_count} workers: B={size} "
+            f"(service {service * 1000:.1f} ms{capacity_note}), wait {timeout * 1000:.1f} ms"
+        )
+        changes = describe_changes(knobs, proposal)
+        return Decision(proposal, f"{why}: {changes}" if changes else f"{why}: no change")
+
+    def _learn(self, observation: Observation) -> None:
+        """Fit one point per new observation that has batches and model latencies in its window."""
+        load = observation.load
+        model = load.latency.get("model")
+        if self._last_fitted_time is not None and observation.time <= self._last_fitted_time:
+            return
+        if model is None or model.mean is None or model.count < self.params.min_requests or load.batch_size <= 0:
+            return
+        self.fit.update(load.batch_size, model.mean)
+        self._recent_sizes.append(load.batch_size)
+        self._last_fitted_time = observation.time
+
+    def _spread(self) -> float:
+        return max(self._recent_sizes) - min(self._recent_sizes) if self._recent_sizes else 0.0
+
+    def _service(self, size: int) -> float:
+        return max(self.fit.predict(size), _MIN_SERVICE_SECONDS)
+
+    def _latency_budget(self) -> float:
+        return self.params.slo_p99_seconds * self.params.budget_fraction
+
+    def _choose_batch_size(self, demand: float, knobs: Knobs, bounds: Bounds) -> tuple[int, str]:
+        """Smallest B whose capacity covers demand × (1 + headroom); see the module docstring."""
+        lo, hi = bounds.max_batch_size
+        if not self.params.tune_batch_size:
+            hi = clamp_knob(bounds, "max_batch_size", knobs.max_batch_size)
+        needed = demand * (1 + self.params.headroom)
+        for size in range(lo, hi + 1):
+            if knobs.process_count * size / self._service(size) >= needed:
+                return size, ""
+        within_budget = [s for s in range(lo, hi + 1) if self._service(s) <= self._latency_budget()]
+        size = max(within_budget) if within_budget else lo
+        capacity = knobs.process_count * size / self._service(size)
+        return size, f"; capacity short: {capacity:.0f} < {needed:.0f} items/s"
+
+    def _choose_timeout(self, size: int, demand: float, bounds: Bounds) -> float:
+        fill = (size - 1) / demand  # the batcher is shared: the first item is there, B - 1 more to come
+        allowed = max(0.0, self._latency_budget() - self._service(size))
+        return clamp_knob(bounds, "batch_timeout", min(fill, allowed))
+
+    def _fit_text(self) -> str:
+        return f"model ≈ {self.fit.intercept * 1000:.2f} ms + {self.fit.slope * 1000:.3f} ms × B"
+
+
+def item_demand(load: Load) -> float:
+    """Items per second asked of the engine.
+
+    items_rate counts items dispatched, which stops growing at saturation; arrival_rate counts
+    requests. Requests × items per request (items per completed request) estimates demand even
+    when the engine falls behind.
+    """
+    if load.arrival_rate > 0 and load.completion_rate > 0 and load.items_rate > 0:
+        return max(load.items_rate, load.arrival_rate * load.items_rate / load.completion_rate)
+    return max(load.items_rate, load.arrival_rate)

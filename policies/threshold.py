@@ -1,0 +1,137 @@
+"""Threshold scaling of `process_count`, the way the Kubernetes Horizontal Pod Autoscaler does it.
+
+Each decision:
+
+1. metric: `busy_fraction` (mean share of the window the ready workers spent in the model) or
+   `queue_depth` (items waiting in the batcher per ready worker).
+2. desired = ceil(ready × metric / target), unless |metric / target - 1| <= tolerance, in which
+   case desired = the current process_count (no change inside the band). Using the *ready*
+   workers' count keeps a scale-up that is still warming up from being counted twice: two ready
+   workers at 0.95 ask for 3 whether or not the third is already starting.
+3. stabilization: every desired value is remembered with its time. A scale-up goes to the
+   MIN of the recommendations over the last `scale_up_stabilization_seconds` (all of them must
+   ask for more), a scale-down to the MAX over the last `scale_down_stabilization_seconds` (the
+   whole window must ask for less). Until a new policy has seen one full scale-down window,
+   the current count counts as a recommendation too, so it never scales down on less.
+4. step limits: at most `max_step_up` workers added and `max_step_down` removed per decision.
+5. bounds: the result is clamped to the effective range of process_count.
+
+Only process_count changes; the other knobs pass through.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Literal
+
+from pydantic import Field
+
+from engine.config import Bounds, Knobs
+from monitors.observation import Observation
+from policies.base import Decision, Params, clamp_knob
+
+_METRIC_LABEL = {"busy_fraction": "busy", "queue_depth": "queue per worker"}
+
+
+class ThresholdParams(Params):
+    metric: Literal["busy_fraction", "queue_depth"] = "busy_fraction"
+    """`busy_fraction`: mean busy share of the ready workers (0..1); `queue_depth`: items
+    waiting in the batcher per ready worker."""
+    target: float = Field(0.7, gt=0)
+    """The metric's value to hold: a fraction for busy_fraction, items per worker for queue_depth."""
+    tolerance: float = Field(0.1, ge=0, lt=1)
+    """No change while |metric / target - 1| <= tolerance."""
+    scale_up_stabilization_seconds: float = Field(0.0, ge=0)
+    """A scale-up takes the smallest recommendation over this many past seconds (0: act at once)."""
+    scale_down_stabilization_seconds: float = Field(30.0, ge=0)
+    """A scale-down takes the largest recommendation over this many past seconds."""
+    max_step_up: int = Field(2, ge=1)
+    """Most workers added by one decision."""
+    max_step_down: int = Field(1, ge=1)
+    """Most workers removed by one decision."""
+    min_ready_workers: int = Field(1, ge=1)
+    """Observations with fewer ready workers carry no usable metric and are ignored (hold)."""
+
+
+class ThresholdPolicy:
+    """HPA-style process_count scaling on busy fraction or queue depth."""
+
+    kind = "threshold"
+
+    def __init__(self, params: ThresholdParams | None = None):
+        self.params = params or ThresholdParams()
+        self.name = self.kind
+        self._recommendations: deque[tuple[float, int]] = deque()
+        self._first_seen: float | None = None
+
+    def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
+        p = self.params
+        now, current = observation.time, knobs.process_count
+        ready = sum(1 for w in observation.workers if w.state == "ready")
+        if ready < p.min_ready_workers:
+            return Decision(knobs, f"{ready} ready workers (< {p.min_ready_workers}): process_count stays {current}")
+
+        value = self._metric(observation, ready)
+        desired, comparison = self._desired(value, ready, current)
+        if self._first_seen is None:
+            self._first_seen = now
+        self._recommendations.append((now, desired))
+        self._forget_before(now - max(p.scale_up_stabilization_seconds, p.scale_down_stabilization_seconds))
+
+        stabilized, held_by = self._stabilize(now, current, desired)
+        new = self._limit_step(current, stabilized)
+        new = clamp_knob(bounds, "process_count", new)
+        return Decision(knobs.replace(process_count=new), self._reason(comparison, current, desired, new, held_by))
+
+    def _metric(self, observation: Observation, ready: int) -> float:
+        if self.params.metric == "busy_fraction":
+            return observation.busy_fraction
+        return observation.load.queue_depth / ready
+
+    def _desired(self, value: float, ready: int, current: int) -> tuple[int, str]:
+        p = self.params
+        label = _METRIC_LABEL[p.metric]
+        ratio = value / p.target
+        if abs(ratio - 1) <= p.tolerance:
+            return current, f"{label} {value:.2f} within target {p.target:.2f} ± {p.tolerance:.2f}"
+        sign = ">" if ratio > 1 else "<"
+        desired = max(1, math.ceil(ready * ratio - 1e-9))  # 1e-9: 2 × 0.7 / 0.7 is exactly 2
+        return desired, f"{label} {value:.2f} {sign} target {p.target:.2f} (tolerance {p.tolerance:.2f})"
+
+    def _forget_before(self, cutoff: float) -> None:
+        while self._recommendations and self._recommendations[0][0] < cutoff:
+            self._recommendations.popleft()
+
+    def _stabilize(self, now: float, current: int, desired: int) -> tuple[int, str]:
+        """HPA's rule: up to the MIN over the up-window, down to the MAX over the down-window."""
+        p = self.params
+        up = min([r for t, r in self._recommendations if t >= now - p.scale_up_stabilization_seconds] + [desired])
+        down = max([r for t, r in self._recommendations if t >= now - p.scale_down_stabilization_seconds] + [desired])
+        if now - self._first_seen < p.scale_down_stabilization_seconds:
+            down = max(down, current)  # a window not yet seen in full counts as "keep the current count"
+        stabilized = current
+        if stabilized < up:
+            stabilized = up
+        if stabilized > down:
+            stabilized = down
+        held_by = ""
+        if desired > current and stabilized < desired:
+            held_by = f"scale-up stabilization (min over last {p.scale_up_stabilization_seconds:g} s = {up})"
+        elif desired < current and stabilized > desired:
+            held_by = f"scale-down stabilization (max over last {p.scale_down_stabilization_seconds:g} s = {down})"
+        return stabilized, held_by
+
+    def _limit_step(self, current: int, stabilized: int) -> int:
+        p = self.params
+        return min(max(stabilized, current - p.max_step_down), current + p.max_step_up)
+
+    @staticmethod
+    def _reason(comparison: str, current: int, desired: int, new: int, held_by: str) -> str:
+        if new != current:
+            note = f" (wants {desired}; step or bounds limit)" if new != desired else ""
+            return f"{comparison}: process_count {current} -> {new}{note}"
+        if desired != current:
+            why = held_by or "step or bounds limit"
+            return f"{comparison}: wants {desired}, held at {current} by {why}"
+        return f"{comparison}: process_count stays {current}"

@@ -1,0 +1,134 @@
+"""Autotuning a real server under a load that steps low -> high -> low."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+from server_process import ServerProcess
+
+MODEL = "all-MiniLM-L6-v2"
+TOKEN = "autotune-test-token"
+
+
+def run_steps(server, steps: list[tuple[float, float]], on_tick=None) -> list[int]:
+    """Open-loop load: (rate per second, seconds) steps; arrivals never wait for answers."""
+    local = threading.local()
+    body = json.dumps({"model": MODEL, "input": "a sentence to embed while the knobs move", "encoding_format": "base64"})
+
+    def send(_):
+        if not hasattr(local, "conn"):
+            local.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        local.conn.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
+        response = local.conn.getresponse()
+        response.read()
+        return response.status
+
+    futures = []
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        start = time.monotonic()
+        offset = 0.0
+        next_tick = start
+        for rate, seconds in steps:
+            n = int(rate * seconds)
+            for i in range(n):
+                due = start + offset + i / rate
+                while (now := time.monotonic()) < due:
+                    if on_tick is not None and now >= next_tick:
+                        on_tick()
+                        next_tick = now + 0.5
+                    time.sleep(min(0.005, max(0.0, due - time.monotonic())))
+                futures.append(pool.submit(send, i))
+            offset += seconds
+        return [f.result() for f in futures]
+
+
+@pytest.fixture
+def policy_file(tmp_path):
+    path = tmp_path / "threshold.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "kind": "threshold",
+                "metric": "busy_fraction",
+                "target": 0.25,
+                "tolerance": 0.1,
+                "scale_up_stabilization_seconds": 0,
+                "scale_down_stabilization_seconds": 6,
+            }
+        )
+    )
+    return path
+
+
+def test_threshold_scales_workers_up_and_down_with_the_load(tmp_path, policy_file):
+    audit = tmp_path / "audit.jsonl"
+    config = {
+        "concurrency": {"process_count": 1, "threads_per_process": 1, "max_batch_size": 4, "batch_timeout": 0.002},
+        "monitors": {"interval_seconds": 0.5, "window_seconds": 3},
+        "autotune": {"policy": str(policy_file), "interval_seconds": 1, "cooldown_seconds": 2, "audit_log": str(audit)},
+    }
+    srv = ServerProcess(tmp_path, config, env={"SELFTUNE_ADMIN_TOKEN": TOKEN})
+    counts: list[int] = []
+
+    def record():
+        counts.append(httpx.get(srv.url + "/stats").json()["knobs"]["process_count"])
+
+    try:
+        statuses = run_steps(srv, [(5, 5), (70, 15), (3, 20)], on_tick=record)
+        record()
+        assert statuses.count(200) == len(statuses), {s: statuses.count(s) for s in set(statuses)}
+        assert max(counts) == 2, counts
+        assert counts[-1] == 1, counts
+        decisions = httpx.get(srv.url + "/admin/decisions", headers={"authorization": f"Bearer {TOKEN}"}).json()["decisions"]
+        applied = [d for d in decisions if d["outcome"] == "applied"]
+        ups = [d for d in applied if d["new"]["process_count"] > d["old"]["process_count"]]
+        downs = [d for d in applied if d["new"]["process_count"] < d["old"]["process_count"]]
+        assert ups and downs
+        assert all("busy" in d["reason"] for d in ups + downs)
+        logged = [json.loads(line) for line in audit.read_text().splitlines()]
+        assert [d["new"] for d in logged if d["outcome"] == "applied"] == [d["new"] for d in applied]
+        stats = httpx.get(srv.url + "/stats").json()
+        assert stats["counters"]["failed"] == 0 and stats["counters"]["worker_deaths"] == 0
+    finally:
+        assert srv.stop() == 0
+
+
+def test_policy_reload_rejects_a_bad_file_and_keeps_the_running_policy(tmp_path, policy_file):
+    config = {"concurrency": {"process_count": 1}, "autotune": {"policy": str(policy_file)}}
+    srv = ServerProcess(tmp_path, config, env={"SELFTUNE_ADMIN_TOKEN": TOKEN})
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    try:
+        policy_file.write_text("kind: threshold\ntarget: -3\n")
+        bad = httpx.post(srv.url + "/admin/policy/reload", headers=auth)
+        assert bad.status_code == 422 and "target" in bad.json()["error"]["message"]
+        policy_file.write_text("kind: static\n")
+        good = httpx.post(srv.url + "/admin/policy/reload", headers=auth)
+        assert good.status_code == 200 and good.json()["policy"] == "static"
+    finally:
+        assert srv.stop() == 0
+
+
+def test_no_autotune_and_a_bad_policy_file(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: mystery\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "serve", "--policy", str(bad), "--port", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and str(bad) in result.stderr and "threshold" in result.stderr
+    srv = ServerProcess(tmp_path, {"concurrency": {"process_count": 1}, "autotune": {"enabled": False}}, env={"SELFTUNE_ADMIN_TOKEN": TOKEN})
+    try:
+        decisions = httpx.get(srv.url + "/admin/decisions", headers={"authorization": f"Bearer {TOKEN}"}).json()
+        assert decisions == {"autotune": False, "decisions": []}
+        assert "autotune off" in srv.log()
+    finally:
+        assert srv.stop() == 0
