@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--policy", help="autotuning policy file (autotune.policy)")
     serve.add_argument("--no-autotune", action="store_true", help="keep the configured knobs; no controller")
     serve.set_defaults(run=run_serve)
+    from autotune.offline_cli import register
+
+    register(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -41,89 +41,54 @@ class ControllerConfig:
     keep_decisions: int = 1000
 
 
-class Controller:
-    def __init__(
-        self,
-        engine,
-        policy: Policy,
-        bounds: Bounds,
-        config: ControllerConfig,
-        pinned: Callable[[], set[str]] = set,
-        load_policy: Callable[[], Policy] | None = None,
-    ):
-        self.engine = engine
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one turn of the loop concluded: knobs to apply (or None) and what to record."""
+
+    knobs: Knobs | None
+    entry: dict | None
+
+
+class DecisionLoop:
+    """The controller's decision path with time passed in: the live Controller and the
+    simulator both drive this one object.
+
+    Interval, one structural change at a time, fail-static on a policy that raises or answers
+    nonsense, the guardrails, and a cooldown once a change is applied.
+    """
+
+    def __init__(self, policy: Policy, bounds: Bounds, config: ControllerConfig):
         self.policy = policy
         self.bounds = bounds
         self.config = config
-        self.pinned = pinned
-        self.load_policy = load_policy
-        self.reload_requested = False
-        """Set by SIGHUP's handler; the next observation reloads the policy file."""
-        self._lock = threading.Lock()
-        self._decisions: collections.deque[dict] = collections.deque(maxlen=config.keep_decisions)
-        self._next_decision_at = 0.0
+        self.next_decision_at = 0.0
+        self.calls = 0
 
-    # ---- policy file -----------------------------------------------------------------------
-
-    def reload(self) -> str:
-        """Re-read the policy file; a bad file raises (PolicyError) and the running policy stays."""
-        if self.load_policy is None:
-            raise RuntimeError("this controller was not started from a policy file")
-        policy = self.load_policy()
-        with self._lock:
-            old, self.policy = self.policy.name, policy
-        self._record({"outcome": "policy-reloaded", "reason": f"policy {old} -> {policy.name}"})
-        log.info("policy reloaded: %s -> %s", old, policy.name)
-        return policy.name
-
-    # ---- the loop body -----------------------------------------------------------------------
-
-    def on_observation(self, observation: Observation) -> None:
-        if self.reload_requested:
-            self.reload_requested = False
-            try:
-                self.reload()
-            except Exception as exc:
-                log.error("policy reload failed; the running policy stays: %s", exc)
-                self._record({"outcome": "policy-reload-failed", "reason": str(exc)})
+    def step(self, observation: Observation, current: Knobs, pinned: set[str]) -> Step:
         now = observation.time
-        if now < self._next_decision_at:
-            return
-        if self._structural_change_in_flight(observation):
-            return
-        with self._lock:
-            self._decide(observation, now)
-
-    def _decide(self, observation: Observation, now: float) -> None:
-        self._next_decision_at = now + self.config.interval_seconds
-        current = self.engine.knobs
+        if now < self.next_decision_at or self._structural_change_in_flight(observation):
+            return Step(None, None)
+        self.next_decision_at = now + self.config.interval_seconds
+        self.calls += 1
         limits = self._limits(observation)
         bounds = effective_bounds(self.bounds, limits, current)
         try:
             decision = self.policy.decide(observation, current, bounds)
         except Exception as exc:
             log.exception("policy %s raised; keeping %s", self.policy.name, current)
-            self._record(self._entry(observation, current, None, None, "policy-error", f"{type(exc).__name__}: {exc}"))
-            return
+            return Step(None, self.entry(observation, current, None, None, "policy-error", f"{type(exc).__name__}: {exc}"))
         if not is_sane(getattr(decision, "knobs", None)):
             log.error("policy %s answered nonsense (%r); keeping the knobs", self.policy.name, decision)
-            self._record(self._entry(observation, current, None, None, "policy-nonsense", repr(decision)[:500]))
-            return
-        knobs, notes = constrain(decision.knobs, current, self.bounds, limits, self.pinned())
+            return Step(None, self.entry(observation, current, None, None, "policy-nonsense", repr(decision)[:500]))
+        knobs, notes = constrain(decision.knobs, current, self.bounds, limits, pinned)
         if knobs == current:
-            return
-        if self.config.dry_run:
-            self._record(self._entry(observation, current, decision.knobs, knobs, "dry-run", decision.reason, notes))
-            return
-        try:
-            self.engine.apply(knobs)
-        except Exception as exc:
-            log.exception("applying %s failed", knobs)
-            self._record(self._entry(observation, current, decision.knobs, knobs, "apply-failed", f"{decision.reason}; {exc}", notes))
-            return
-        self._next_decision_at = now + max(self.config.interval_seconds, self.config.cooldown_seconds)
-        log.info("autotune: %s (%s)", _diff(current, knobs), decision.reason)
-        self._record(self._entry(observation, current, decision.knobs, knobs, "applied", decision.reason, notes))
+            return Step(None, None)
+        outcome = "dry-run" if self.config.dry_run else "applied"
+        return Step(knobs, self.entry(observation, current, decision.knobs, knobs, outcome, decision.reason, notes))
+
+    def applied(self, now: float) -> None:
+        """A change landed: no decision until the cooldown is over."""
+        self.next_decision_at = now + max(self.config.interval_seconds, self.config.cooldown_seconds)
 
     def _structural_change_in_flight(self, observation: Observation) -> bool:
         """A worker still warming up or draining: wait until the last change has landed."""
@@ -135,11 +100,11 @@ class Controller:
             return dataclasses.replace(self.config.limits, worker_memory_bytes=max(uss))
         return self.config.limits
 
-    # ---- audit -------------------------------------------------------------------------------
-
-    def _entry(self, obs: Observation, old: Knobs, proposed, applied, outcome: str, reason: str, notes=()) -> dict:
+    def entry(self, obs: Observation, old: Knobs, proposed, applied, outcome: str, reason: str, notes=()) -> dict:
+        """An audit-log line: the observation in brief, old -> new knobs, the reason in words."""
         total = obs.load.latency.get("total")
         return {
+            "at": round(obs.time, 3),
             "policy": self.policy.name,
             "outcome": outcome,
             "reason": reason,
@@ -157,6 +122,73 @@ class Controller:
                 "workers": len(obs.workers),
             },
         }
+
+
+class Controller:
+    """The live loop: a DecisionLoop driven by the sampler, applying through engine.apply."""
+
+    def __init__(
+        self,
+        engine,
+        policy: Policy,
+        bounds: Bounds,
+        config: ControllerConfig,
+        pinned: Callable[[], set[str]] = set,
+        load_policy: Callable[[], Policy] | None = None,
+    ):
+        self.engine = engine
+        self.loop = DecisionLoop(policy, bounds, config)
+        self.config = config
+        self.pinned = pinned
+        self.load_policy = load_policy
+        self.reload_requested = False
+        """Set by SIGHUP's handler; the next observation reloads the policy file."""
+        self._lock = threading.Lock()
+        self._decisions: collections.deque[dict] = collections.deque(maxlen=config.keep_decisions)
+
+    @property
+    def policy(self) -> Policy:
+        return self.loop.policy
+
+    # ---- policy file -----------------------------------------------------------------------
+
+    def reload(self) -> str:
+        """Re-read the policy file; a bad file raises (PolicyError) and the running policy stays."""
+        if self.load_policy is None:
+            raise RuntimeError("this controller was not started from a policy file")
+        policy = self.load_policy()
+        with self._lock:
+            old, self.loop.policy = self.loop.policy.name, policy
+        self._record({"outcome": "policy-reloaded", "reason": f"policy {old} -> {policy.name}"})
+        log.info("policy reloaded: %s -> %s", old, policy.name)
+        return policy.name
+
+    # ---- the loop body -----------------------------------------------------------------------
+
+    def on_observation(self, observation: Observation) -> None:
+        if self.reload_requested:
+            self.reload_requested = False
+            try:
+                self.reload()
+            except Exception as exc:
+                log.error("policy reload failed; the running policy stays: %s", exc)
+                self._record({"outcome": "policy-reload-failed", "reason": str(exc)})
+        with self._lock:
+            current = self.engine.knobs
+            step = self.loop.step(observation, current, self.pinned())
+            if step.knobs is not None and not self.config.dry_run:
+                try:
+                    self.engine.apply(step.knobs)
+                except Exception as exc:
+                    log.exception("applying %s failed", step.knobs)
+                    step = Step(None, {**step.entry, "outcome": "apply-failed", "reason": f"{step.entry['reason']}; {exc}"})
+                else:
+                    self.loop.applied(observation.time)
+                    log.info("autotune: %s (%s)", _diff(current, step.knobs), step.entry["reason"])
+            if step.entry is not None:
+                self._record(step.entry)
+
+    # ---- audit -------------------------------------------------------------------------------
 
     def _record(self, entry: dict) -> None:
         entry = {"time": time.time(), **entry}

@@ -62,6 +62,10 @@ class SelftuneCollector(Collector):
         for name, value in stats.knobs.as_dict().items():
             knobs.add_metric([name], float(value))
         yield knobs
+        placement = GaugeMetricFamily("selftune_worker_placement_info", "Where each worker runs (value is always 1)", labels=["worker", "cpus", "node", "gpu"])
+        for w in (stats.placement or {}).get("workers", []):
+            placement.add_metric([str(w["worker"]), w["cpus"], str(w["node"]), str(w["gpu"])], 1)
+        yield placement
 
     def _workers(self, observation):
         families = {

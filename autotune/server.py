@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
 import signal
 import sys
+import time
 
 import uvicorn
 from fastapi import FastAPI
@@ -16,10 +18,14 @@ from fastapi.responses import Response
 from autotune.controller import Controller, ControllerConfig
 from autotune.guardrails import MachineLimits
 from autotune.metrics import Metrics
+from autotune.placement_topology import machine_topology
 from autotune.settings import ServerConfig
 from autotune.telemetry import Telemetry
 from engine.engine import Engine
 from engine.http.app import create_app
+from engine.placement import MachineTopology, PlacementError, validate_explicit
+from monitors.gpu import GpuMonitor
+from monitors.topology import read_topology
 from policies.loader import PolicyError, load_policy
 
 log = logging.getLogger("selftune")
@@ -81,7 +87,14 @@ def serve(config: ServerConfig) -> int:
         except PolicyError as exc:
             print(f"selftune: {exc}", file=sys.stderr)
             return 2
-    engine = Engine(config.engine_config())
+    try:
+        engine_config = dataclasses.replace(config.engine_config(), topology=machine_topology_now())
+        if engine_config.placement == "explicit":
+            validate_explicit(engine_config.topology, engine_config.placement_cpus, engine_config.knobs.process_count)
+    except PlacementError as exc:
+        print(f"selftune: placement.cpus: {exc}", file=sys.stderr)
+        return 2
+    engine = Engine(engine_config)
     try:
         engine.start()
     except Exception as exc:
@@ -101,6 +114,7 @@ def serve(config: ServerConfig) -> int:
             access_log=False,
         ),
         on_hangup=(lambda: setattr(controller, "reload_requested", True)) if controller else None,
+        on_drain=lambda: setattr(app.state.selftune, "draining", True),
     )
     try:
         server.run()
@@ -110,17 +124,25 @@ def serve(config: ServerConfig) -> int:
     return 0 if server.started else 1
 
 
+def machine_topology_now() -> MachineTopology:
+    """This machine's CPUs, NUMA nodes and GPUs, for the placement planner."""
+    gpus = GpuMonitor().sample(time.monotonic()).devices
+    return machine_topology(read_topology(), gpus)
+
+
 class _Server(uvicorn.Server):
     """uvicorn whose signal handlers only flip state (and do not re-raise on the way out).
 
-    SIGINT / SIGTERM: stop accepting, let in-flight requests finish up to the grace period,
-    then the app's lifespan drains and stops the engine; a second Ctrl-C forces.
+    SIGINT / SIGTERM: mark the server draining (503 for new requests and /readyz), stop
+    accepting, let in-flight requests finish up to the grace period, then the app's lifespan
+    stops the engine; a second Ctrl-C forces.
     SIGHUP: ask the controller to reload its policy file at its next turn.
     """
 
-    def __init__(self, config: uvicorn.Config, on_hangup=None):
+    def __init__(self, config: uvicorn.Config, on_hangup=None, on_drain=None):
         super().__init__(config)
         self.on_hangup = on_hangup
+        self.on_drain = on_drain
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -132,6 +154,8 @@ class _Server(uvicorn.Server):
             if self.should_exit and signum == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
+            if self.on_drain is not None:
+                self.on_drain()  # /readyz says 503 and new requests are refused from now on
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
@@ -151,11 +175,18 @@ def _print_banner(config: ServerConfig, engine: Engine, controller: Controller |
         f"selftune: knobs process_count={k.process_count} threads_per_process={k.threads_per_process} "
         f"io_threads={k.io_threads} batch_timeout={k.batch_timeout:g}s max_batch_size={k.max_batch_size}",
         f"selftune: autotune {_tuning(config, controller)}",
-        f"selftune: serving on http://{shown}:{config.server.port}  (OpenAI API under /v1; /healthz /readyz /stats /metrics)",
     ]
+    lines += [f"selftune: placement ({config.placement.mode}) {line}" for line in _plan_lines(engine)]
+    lines.append(f"selftune: serving on http://{shown}:{config.server.port}  (OpenAI API under /v1; /healthz /readyz /stats /metrics)")
     if _admin_exposed(config):
         lines.append(f"selftune: WARNING the admin API is enabled and {host} is not a loopback address")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _plan_lines(engine: Engine) -> list[str]:
+    plan = engine.stats().placement or {"workers": [], "notes": []}
+    workers = [f"worker {w['worker']}: cpus {w['cpus']} node {w['node']}" + (f" gpu {w['gpu']}" if w["gpu"] is not None else "") for w in plan["workers"]]
+    return workers + [f"note: {n}" for n in plan["notes"]]
 
 
 def _tuning(config: ServerConfig, controller: Controller | None) -> str:

@@ -75,8 +75,36 @@ class LimitsSection(Section):
     max_items_per_request: Annotated[int, Field(ge=1, le=100_000)] = 256
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 4 * 1024 * 1024
     max_queued_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 512
+    max_queued_tokens: Annotated[int, Field(ge=1)] | None = 200_000
     request_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
     default_max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 16
+
+
+class PlacementSection(Section):
+    mode: Literal["auto", "none", "explicit"] = "auto"
+    """auto: disjoint cores per worker, physical cores before SMT siblings, inside one NUMA
+    node when it fits, spread across nodes; none: no pinning; explicit: the lists in cpus."""
+    cpus: list[list[Annotated[int, Field(ge=0)]]] | None = None
+    """With mode explicit: one CPU list per worker (process_count is then fixed to their number)."""
+    workers_per_gpu: Annotated[int, Field(ge=1, le=64)] = 1
+
+    @model_validator(mode="after")
+    def _explicit_needs_cpus(self):
+        if self.mode == "explicit" and not self.cpus:
+            raise ValueError("mode explicit needs cpus: one list of CPU ids per worker")
+        if self.mode != "explicit" and self.cpus:
+            raise ValueError(f"cpus is only used with mode explicit (mode is {self.mode})")
+        return self
+
+
+class SupervisionSection(Section):
+    restart_backoff_seconds: Annotated[float, Field(gt=0, le=60)] = 0.1
+    """Delay before a dead worker is replaced; doubles with each death, reset by a ready worker."""
+    restart_backoff_max_seconds: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    crash_loop_deaths: Annotated[int, Field(ge=1, le=100_000)] = 5
+    """This many unexpected worker deaths within crash_loop_window_seconds: stop replacing
+    workers and report not ready (/readyz 503) with the reason."""
+    crash_loop_window_seconds: Annotated[float, Field(gt=0, le=86400)] = 60.0
 
 
 class MonitorsSection(Section):
@@ -112,6 +140,8 @@ class ServerConfig(Section):
     concurrency: ConcurrencySection = ConcurrencySection()
     bounds: BoundsSection = BoundsSection()
     limits: LimitsSection = LimitsSection()
+    placement: PlacementSection = PlacementSection()
+    supervision: SupervisionSection = SupervisionSection()
     monitors: MonitorsSection = MonitorsSection()
     autotune: AutotuneSection = AutotuneSection()
     admin: AdminSection = AdminSection()
@@ -119,9 +149,11 @@ class ServerConfig(Section):
     def bounds_obj(self) -> Bounds:
         base = Bounds()
         changes = {}
+        if self.placement.mode == "explicit":
+            changes["process_count"] = (len(self.placement.cpus),) * 2
         for name in Bounds.__dataclass_fields__:
             rng = getattr(self.bounds, name)
-            if rng is not None:
+            if rng is not None and name not in changes:
                 kind = float if name == "batch_timeout" else int
                 changes[name] = (kind(rng.min), kind(rng.max))
         return Bounds(**{**{n: getattr(base, n) for n in Bounds.__dataclass_fields__}, **changes})
@@ -129,6 +161,8 @@ class ServerConfig(Section):
     def knobs(self) -> Knobs:
         c = self.concurrency
         count = c.process_count
+        if self.placement.mode == "explicit":
+            count = len(self.placement.cpus)
         if count == "auto":
             count = max(1, len(os.sched_getaffinity(0)) // c.threads_per_process)
             count = min(count, self.bounds_obj().process_count[1])
@@ -139,6 +173,11 @@ class ServerConfig(Section):
         return EngineConfig(
             model=m.name, task=m.task, device=m.device, dtype=m.dtype, max_input_tokens=m.max_input_tokens,
             knobs=self.knobs(), bounds=self.bounds_obj(),
+            restart_backoff=(self.supervision.restart_backoff_seconds, self.supervision.restart_backoff_max_seconds),
+            placement=self.placement.mode,
+            placement_cpus=tuple(tuple(cpus) for cpus in self.placement.cpus) if self.placement.cpus else None,
+            workers_per_gpu=self.placement.workers_per_gpu,
+            crash_loop=(self.supervision.crash_loop_deaths, self.supervision.crash_loop_window_seconds),
         )
 
     def server_limits(self) -> ServerLimits:
@@ -147,6 +186,7 @@ class ServerConfig(Section):
             max_items_per_request=lim.max_items_per_request,
             max_body_bytes=lim.max_body_bytes,
             max_queued_requests=lim.max_queued_requests,
+            max_queued_tokens=lim.max_queued_tokens,
             request_timeout=lim.request_timeout_seconds,
             default_max_tokens=lim.default_max_tokens,
         )

@@ -93,6 +93,17 @@ class EngineConfig:
     """Embedding batches a worker may hold at once (one running, the next waiting in shared memory)."""
     restart_backoff: tuple[float, float] = (0.1, 5.0)
     """Initial and maximum delay before a dead worker is replaced (doubles on each death)."""
+    placement: str = "auto"
+    """`auto` (disjoint cores per worker, physical before SMT, NUMA-local), `none` (no
+    pinning) or `explicit` (placement_cpus)."""
+    placement_cpus: tuple[tuple[int, ...], ...] | None = None
+    """With placement=explicit: one CPU list per worker."""
+    workers_per_gpu: int = 1
+    topology: object | None = None
+    """An engine.placement.MachineTopology; None: the CPUs of this process's affinity."""
+    crash_loop: tuple[int, float] = (5, 60.0)
+    """(deaths, seconds): that many unexpected worker deaths within that window is a crash
+    loop: the engine stops replacing workers and reports itself not ready."""
     cache_dir: str = field(
         default_factory=lambda: os.environ.get(
             "SELFTUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "selftune")

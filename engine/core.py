@@ -8,6 +8,7 @@ reconcile the worker count with the knobs, then dispatch what the scheduler says
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -33,6 +34,7 @@ from engine.jobs import (
     WorkerLost,
 )
 from engine.loading import ModelInfo
+from engine.placement import PlacementError, PlacementPlan, WorkerPlacement, affinity_topology, format_cpulist, plan_placement
 from engine.router import WorkerState
 from engine.scheduler import Scheduler
 from engine.shm import SlotBuffer
@@ -56,6 +58,8 @@ class WorkerHandle:
     """batch_id -> (batch, slot, dispatched at)."""
     ready_at: float | None = None
     stop_sent: bool = False
+    applied: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+    """(threads, max_batch_size, cpus) last given to the worker."""
     busy_seconds: float = 0.0
     batches_done: int = 0
     items_done: int = 0
@@ -86,6 +90,12 @@ class EngineCore:
         self._backoff = config.restart_backoff[0]
         self._running = True
         self._closing = False
+        self.topology = config.topology if config.topology is not None else affinity_topology()
+        self._plan_key: tuple[int, int] | None = None
+        self._placement: PlacementPlan | None = None
+        self._deaths: collections.deque[float] = collections.deque()
+        self.crash_loop: str | None = None
+        """Why the engine stopped replacing workers, once it has."""
 
     # ---- called from other threads -------------------------------------------------------
 
@@ -127,6 +137,8 @@ class EngineCore:
         return max(0.0, min(due) - now) if due else None
 
     def _respawn_at_if_needed(self) -> float | None:
+        if self.crash_loop is not None:
+            return None
         if len(self.scheduler.router.active()) < self.knobs.process_count and not self._closing:
             return self._respawn_at
         return None
@@ -179,16 +191,9 @@ class EngineCore:
         return True
 
     def set_knobs(self, knobs: Knobs) -> None:
-        threads_changed = (knobs.threads_per_process, knobs.max_batch_size) != (
-            self.knobs.threads_per_process,
-            self.knobs.max_batch_size,
-        )
+        """Batching changes at once; workers get theirs (threads, CPUs) at the end of this turn."""
         self.knobs = knobs
         self.scheduler.configure(knobs)
-        if threads_changed:
-            for handle in self.workers.values():
-                if handle.conn is not None and not handle.stop_sent:
-                    self._send(handle, m.SetKnobs(knobs.threads_per_process, knobs.max_batch_size))
 
     def pending_requests(self) -> int:
         return len(self.embed_jobs) + len(self.gen_jobs)
@@ -242,6 +247,7 @@ class EngineCore:
                     items=h.items_done,
                     busy_seconds=h.busy_seconds,
                     age_seconds=now - h.forked_at,
+                    cpus=format_cpulist(h.applied[2]),
                 )
             )
         return EngineStats(
@@ -252,6 +258,8 @@ class EngineCore:
             ready_workers=sum(1 for w in workers if w.state == WorkerState.READY.value),
             workers=tuple(workers),
             counters=self.counters.copy(),
+            crash_loop=self.crash_loop,
+            placement=self.plan().as_dict(),
         )
 
     def _oldest_wait(self, now: float) -> float:
@@ -263,6 +271,8 @@ class EngineCore:
     def _reconcile(self, now: float) -> None:
         """Bring the number of active workers to process_count: fork, or drain the extra."""
         if self._closing:
+            return
+        if self.crash_loop is not None:
             return
         router = self.scheduler.router
         missing = self.knobs.process_count - len(router.active())
@@ -278,28 +288,80 @@ class EngineCore:
             if handle.ready_at is not None and not handle.stop_sent:
                 self._send(handle, m.Stop())
                 handle.stop_sent = True
+        self._sync_workers()
 
     def _fork(self, now: float) -> None:
         worker_id = self._next_worker_id
         self._next_worker_id += 1
-        bounds = self.config.bounds
+        handle = WorkerHandle(worker_id, forked_at=now)
+        self.workers[worker_id] = handle
+        self.scheduler.router.add(worker_id)
+        self.counters.workers_started += 1
+        placement = self._placement_of(worker_id)
+        handle.applied = self._desired(handle)
+        device = self.device
+        if placement is not None and placement.gpu is not None:
+            device = f"cuda:{placement.gpu}"
         spec = m.WorkerSpec(
             worker_id=worker_id,
             task=self.config.task,
-            device=self.device,
+            device=device,
             threads=self.knobs.threads_per_process,
             max_batch_size=self.knobs.max_batch_size,
             slots=self.config.max_inflight_batches,
-            slot_items=bounds.max_batch_size[1],
+            slot_items=self.config.bounds.max_batch_size[1],
             max_length=self.info.max_length,
             hidden_size=self.info.hidden_size,
             eos_token_ids=self.info.eos_token_ids,
             warmup=self.config.warmup,
+            cpus=handle.applied[2],
+            numa_node=placement.node if placement is not None else None,
         )
         self.zygote.send(m.Fork(spec))
-        self.workers[worker_id] = WorkerHandle(worker_id, forked_at=now)
-        self.scheduler.router.add(worker_id)
-        self.counters.workers_started += 1
+
+    # ---- workers: placement and live settings -------------------------------------------------
+
+    def plan(self) -> PlacementPlan:
+        """The placement for the current process_count × threads_per_process (cached)."""
+        key = (self.knobs.process_count, self.knobs.threads_per_process)
+        if self._plan_key != key:
+            self._plan_key = key
+            self._placement = self._make_plan(*key)
+            for line in self._placement.describe():
+                log.info("placement: %s", line)
+        return self._placement
+
+    def _make_plan(self, workers: int, threads: int) -> PlacementPlan:
+        c = self.config
+        try:
+            return plan_placement(self.topology, workers, threads, c.placement, self.device, c.workers_per_gpu, c.placement_cpus)
+        except PlacementError as exc:
+            log.error("placement %s impossible for %d x %d (%s); not pinning", c.placement, workers, threads, exc)
+            return plan_placement(self.topology, workers, threads, "none", self.device, c.workers_per_gpu)
+
+    def _placement_of(self, worker_id: int) -> WorkerPlacement | None:
+        """Active workers take the plan's slots in the order they were started."""
+        active = sorted(slot.worker_id for slot in self.scheduler.router.active())
+        if worker_id not in active:
+            return None  # draining: keeps its CPUs until it exits
+        index = active.index(worker_id)
+        workers = self.plan().workers
+        return workers[index] if index < len(workers) else None
+
+    def _desired(self, handle: WorkerHandle) -> tuple[int, int, tuple[int, ...]]:
+        placement = self._placement_of(handle.worker_id)
+        cpus = placement.cpus if placement is not None else handle.applied[2]
+        return self.knobs.threads_per_process, self.knobs.max_batch_size, cpus
+
+    def _sync_workers(self) -> None:
+        """Send each live worker its threads, batch size and CPUs when they changed."""
+        for handle in list(self.workers.values()):
+            if handle.conn is None or handle.stop_sent:
+                continue
+            desired = self._desired(handle)
+            if desired != handle.applied:
+                handle.applied = desired
+                self._send(handle, m.SetKnobs(*desired))
 
     def _on_zygote(self) -> None:
         try:
@@ -364,9 +426,22 @@ class EngineCore:
             return
         self.counters.worker_deaths += 1
         log.warning("worker %d (pid %s) died (%s) holding %d batches; re-running what can be", handle.worker_id, handle.pid, why, len(leftover))
+        now = time.monotonic()
+        self._note_death(now)
         self._recover(handle)
-        self._respawn_at = time.monotonic() + self._backoff
+        self._respawn_at = now + self._backoff
         self._backoff = min(self._backoff * 2, self.config.restart_backoff[1])
+
+    def _note_death(self, now: float) -> None:
+        limit, window = self.config.crash_loop
+        self._deaths.append(now)
+        while self._deaths and self._deaths[0] < now - window:
+            self._deaths.popleft()
+        if len(self._deaths) >= limit and self.crash_loop is None:
+            self.crash_loop = f"{len(self._deaths)} workers died within {window:g}s: not starting more (crash loop); see the log"
+            log.error("%s", self.crash_loop)
+            if not self.scheduler.router.active():
+                self._fail_everything(EngineClosed(self.crash_loop))
 
     def _recover(self, handle: WorkerHandle) -> None:
         """Re-queue a dead worker's work: embeddings always, generations that had not started."""

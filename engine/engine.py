@@ -227,6 +227,14 @@ class Engine:
             if min(ids) < 0 or max(ids) >= vocab:
                 raise ValueError(f"input {index} has token ids outside the vocabulary [0, {vocab})")
 
+    def check_generation(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """Reject a generation that cannot fit the model, whatever the load."""
+        self.check_tokens([prompt_ids])
+        if len(prompt_ids) + max_tokens > self.info.max_length:
+            raise InputTooLong(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {self.info.max_length}"
+            )
+
     @property
     def max_input_tokens(self) -> int:
         return min(self.config.max_input_tokens or self.info.max_length, self.info.max_length)
@@ -239,11 +247,7 @@ class Engine:
         """
         self._check_open()
         prompt_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if isinstance(prompt, str) else list(prompt)
-        self.check_tokens([prompt_ids])
-        if len(prompt_ids) + params.max_tokens > self.info.max_length:
-            raise InputTooLong(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of {self.info.max_length}"
-            )
+        self.check_generation(prompt_ids, params.max_tokens)
         request_id = next(self._ids)
         stream = TokenStream(request_id, len(prompt_ids))
         stream.on_event = on_event

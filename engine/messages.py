@@ -31,6 +31,10 @@ class WorkerSpec:
     hidden_size: int
     eos_token_ids: tuple[int, ...] = ()
     warmup: bool = True
+    cpus: tuple[int, ...] = ()
+    """CPUs to pin to (empty: leave the affinity alone)."""
+    numa_node: int | None = None
+    """NUMA node to bind memory to, when all its CPUs sit on one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +96,8 @@ class SetKnobs:
 
     threads: int
     max_batch_size: int
+    cpus: tuple[int, ...] = ()
+    """Re-pin to these CPUs (empty: leave the affinity alone)."""
 
 
 @dataclass(frozen=True, slots=True)

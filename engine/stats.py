@@ -46,6 +46,8 @@ class WorkerStats:
     busy_seconds: float
     """Time spent in the model, as the worker measured it."""
     age_seconds: float
+    cpus: str = ""
+    """The CPUs it is pinned to (kernel cpulist form); empty when not pinned."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,10 @@ class EngineStats:
     ready_workers: int
     workers: tuple[WorkerStats, ...]
     counters: Counters
+    crash_loop: str | None = None
+    """Set when workers kept dying and the engine stopped replacing them."""
+    placement: dict | None = None
+    """The placement plan for the current knobs (workers' CPUs, nodes, GPUs, notes)."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,6 +18,7 @@ from multiprocessing.reduction import send_handle
 import torch
 
 from engine import messages as m
+from engine.numa_bind import apply_placement, pin_current_process
 from engine.shm import SlotBuffer
 
 log = logging.getLogger("selftune.worker")
@@ -33,6 +34,8 @@ def die_with_parent() -> None:
 
 def run_worker(spec: m.WorkerSpec, conn: Connection, model) -> int:
     die_with_parent()
+    if spec.cpus:
+        apply_placement(spec.cpus, spec.numa_node)
     torch.set_num_threads(spec.threads)
     if spec.device != "cpu":
         model.to(spec.device)
@@ -42,6 +45,13 @@ def run_worker(spec: m.WorkerSpec, conn: Connection, model) -> int:
         return GenerateWorker(spec, conn, model).serve()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 0  # the front process went away: nothing left to serve
+
+
+def apply_knobs(msg: m.SetKnobs) -> None:
+    """Threads and CPUs; pinning first, so a grown OpenMP pool starts on the new CPUs."""
+    if msg.cpus:
+        pin_current_process(msg.cpus)
+    torch.set_num_threads(msg.threads)
 
 
 class EmbedWorker:
@@ -68,7 +78,7 @@ class EmbedWorker:
             if isinstance(msg, m.RunEmbed):
                 self.conn.send(self.run(msg))
             elif isinstance(msg, m.SetKnobs):
-                torch.set_num_threads(msg.threads)
+                apply_knobs(msg)
             elif isinstance(msg, m.Stop):
                 return 0
 
@@ -124,7 +134,7 @@ class GenerateWorker:
             self.runner.abort(msg.seq_id)
             self.live.discard(msg.seq_id)
         elif isinstance(msg, m.SetKnobs):
-            torch.set_num_threads(msg.threads)
+            apply_knobs(msg)
             self.runner.max_running = msg.max_batch_size
         elif isinstance(msg, m.Stop):
             return True

@@ -2,51 +2,24 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import http.client
 import json
-import threading
-import time
 
 import httpx
 import pytest
 import yaml
 from server_process import ServerProcess
 
+from autotune.loadgen import open_loop
+
 MODEL = "all-MiniLM-L6-v2"
 TOKEN = "autotune-test-token"
 
 
 def run_steps(server, steps: list[tuple[float, float]], on_tick=None) -> list[int]:
-    """Open-loop load: (rate per second, seconds) steps; arrivals never wait for answers."""
-    local = threading.local()
-    body = json.dumps({"model": MODEL, "input": "a sentence to embed while the knobs move", "encoding_format": "base64"})
-
-    def send(_):
-        if not hasattr(local, "conn"):
-            local.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        local.conn.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
-        response = local.conn.getresponse()
-        response.read()
-        return response.status
-
-    futures = []
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        start = time.monotonic()
-        offset = 0.0
-        next_tick = start
-        for rate, seconds in steps:
-            n = int(rate * seconds)
-            for i in range(n):
-                due = start + offset + i / rate
-                while (now := time.monotonic()) < due:
-                    if on_tick is not None and now >= next_tick:
-                        on_tick()
-                        next_tick = now + 0.5
-                    time.sleep(min(0.005, max(0.0, due - time.monotonic())))
-                futures.append(pool.submit(send, i))
-            offset += seconds
-        return [f.result() for f in futures]
+    """Open-loop load of one-text embedding requests; the HTTP status of each."""
+    body = json.dumps({"model": MODEL, "input": "a sentence to embed while the knobs move", "encoding_format": "base64"}).encode()
+    tick = (lambda elapsed: on_tick()) if on_tick is not None else None
+    return [r.status for r in open_loop("127.0.0.1", server.port, steps, body, on_tick=tick)]
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ def server(tmp_path_factory):
     config = {
         "model": {"name": "builtin:smollm2", "task": "generate"},
         "concurrency": {"process_count": 1, "threads_per_process": 2, "max_batch_size": 4},
-        "limits": {"request_timeout_seconds": 3},
+        "limits": {"request_timeout_seconds": 3, "max_queued_tokens": 5000},
     }
     srv = ServerProcess(tmp_path_factory.mktemp("gen-server"), config, ready_timeout=300)
     yield srv
@@ -116,3 +116,23 @@ def test_generation_errors_are_4xx(server):
     embed = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": "x"})
     assert embed.status_code == 400
     assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+def test_queued_tokens_are_bounded_with_429(server):
+    """Two long generations fill the 5000-token budget; a third waits its turn (429)."""
+    long = {"model": MODEL, "prompt": COUNTING, "max_tokens": 2400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60) as a, httpx.stream(
+        "POST", server.url + "/v1/completions", json=long, timeout=60
+    ) as b:
+        lines_a, lines_b = a.iter_lines(), b.iter_lines()  # kept: a dropped iterator closes its stream
+        next(lines_a)
+        next(lines_b)
+        response = httpx.post(server.url + "/v1/completions", json={**long, "stream": False}, timeout=30)
+        assert response.status_code == 429 and response.headers["retry-after"]
+        assert "5000 tokens" in response.json()["error"]["message"]
+    never = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 6000}, timeout=30)
+    assert never.status_code == 400 and "max_tokens" in never.json()["error"]["message"]
+    stats = httpx.get(server.url + "/stats").json()
+    assert stats["server"]["in_flight"] == 0 and stats["pending_requests"] == 0
+    ok = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200

@@ -50,23 +50,38 @@ class BodySizeLimit:
 
 
 class Admission:
-    """Bounds the requests in the server at once; beyond it a request is answered 429.
+    """Bounds the requests (and, for generation, the tokens) in the server at once.
 
-    Counted in the front process, so a rejected request costs no engine work, and every
-    admitted request leaves through `release` (a `finally`), so the count cannot drift.
+    Beyond either bound a request is answered 429 before it costs any engine work. Every
+    admitted request holds a Ticket that is released exactly once, whichever way the request
+    ends, so the counts cannot drift. Used from the event loop's thread only.
     """
 
-    def __init__(self, max_requests: int):
+    def __init__(self, max_requests: int, max_tokens: int | None = None):
         self.max_requests = max_requests
+        self.max_tokens = max_tokens
         self.current = 0
+        self.tokens = 0
         self.rejected = 0
 
-    def try_admit(self) -> bool:
-        if self.current >= self.max_requests:
+    def try_admit(self, tokens: int = 0) -> "Ticket | None":
+        over_tokens = self.max_tokens is not None and tokens and self.tokens + tokens > self.max_tokens
+        if self.current >= self.max_requests or over_tokens:
             self.rejected += 1
-            return False
+            return None
         self.current += 1
-        return True
+        self.tokens += tokens
+        return Ticket(self, tokens)
+
+
+class Ticket:
+    def __init__(self, admission: Admission, tokens: int):
+        self.admission = admission
+        self.tokens = tokens
+        self.held = True
 
     def release(self) -> None:
-        self.current -= 1
+        if self.held:
+            self.held = False
+            self.admission.current -= 1
+            self.admission.tokens -= self.tokens

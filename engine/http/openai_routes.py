@@ -17,6 +17,7 @@ from engine.engine import GenerationParams
 from engine.http.detokenize import Detokenizer
 from engine.http.errors import APIError, as_api_error, error_body
 from engine.http.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
+from engine.http.limits import Ticket
 from engine.http.state import ServerState
 from engine.jobs import EngineError, TokenEvent
 
@@ -55,22 +56,31 @@ def _check_task(state: ServerState, task: str) -> None:
         raise APIError(400, f"this server runs a {state.engine.config.task} model; this endpoint needs a {task} model")
 
 
-@asynccontextmanager
-async def admitted(state: ServerState):
+def admit(state: ServerState, tokens: int = 0) -> Ticket:
+    """A ticket for this request, or 503 (draining) / 429 (full) before any work is done."""
     if state.draining:
         raise APIError(503, "the server is shutting down", "service_unavailable")
-    if not state.admission.try_admit():
+    ticket = state.admission.try_admit(tokens)
+    if ticket is None:
+        a = state.admission
+        what = f"{a.max_requests} requests" + (f" / {a.max_tokens} tokens" if a.max_tokens else "")
         raise APIError(
             429,
-            f"too many requests in the server ({state.admission.max_requests}); retry shortly",
+            f"the server is full ({what} in flight); retry shortly",
             "rate_limit_error",
             code="overloaded",
             headers={"Retry-After": str(state.limits.retry_after_seconds)},
         )
+    return ticket
+
+
+@asynccontextmanager
+async def admitted(state: ServerState):
+    ticket = admit(state)
     try:
         yield
     finally:
-        state.admission.release()
+        ticket.release()
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -196,19 +206,35 @@ async def _generate(request: Request, state: ServerState, body: SamplingFields, 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
+    prompt_ids = engine.tokenizer(prompt, add_special_tokens=True)["input_ids"] if isinstance(prompt, str) else list(prompt)
+    try:
+        engine.check_generation(prompt_ids, max_tokens)
+    except ValueError as exc:
+        raise as_api_error(exc) from None
+    cost = len(prompt_ids) + max_tokens
+    budget = state.admission.max_tokens
+    if budget is not None and cost > budget:
+        raise APIError(400, f"prompt + max_tokens ({cost}) is more than this server ever queues ({budget} tokens); lower max_tokens", param="max_tokens")
+    ticket = admit(state, tokens=cost)
+
     def on_event(event):
         loop.call_soon_threadsafe(events.put_nowait, event)
+        if isinstance(event, Exception) or event.finish_reason is not None:
+            loop.call_soon_threadsafe(ticket.release)  # however the response ends, or never starts
 
-    async with admitted(state):
+    try:
+        stream = engine.generate(prompt_ids, params, on_event=on_event)
+    except (EngineError, ValueError) as exc:
+        ticket.release()
+        raise as_api_error(exc) from None
+    completion = _Completion(engine, body.model, stream.request_id, stream.prompt_tokens, stop, chat)
+    if not body.stream:
         try:
-            stream = engine.generate(prompt, params, on_event=on_event)
-        except (EngineError, ValueError) as exc:
-            raise as_api_error(exc) from None
-        completion = _Completion(engine, body.model, stream.request_id, stream.prompt_tokens, stop, chat)
-        if not body.stream:
             return await _whole(request, state, completion, events)
+        finally:
+            ticket.release()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_sse(state, completion, events, include_usage), media_type="text/event-stream")
+    return StreamingResponse(_sse(state, completion, events, include_usage, ticket), media_type="text/event-stream")
 
 
 class _Completion:
@@ -301,9 +327,8 @@ async def _whole(request: Request, state: ServerState, completion: _Completion, 
     return completion.whole("".join(parts))
 
 
-async def _sse(state: ServerState, completion: _Completion, events: asyncio.Queue, include_usage: bool):
+async def _sse(state: ServerState, completion: _Completion, events: asyncio.Queue, include_usage: bool, ticket: Ticket):
     """Server-sent events; if the client goes away, Starlette cancels this and the work stops."""
-    state.admission.current += 1  # the stream holds its place until it ends
     deadline = time.monotonic() + state.limits.request_timeout
     try:
         if completion.chat:
@@ -323,7 +348,7 @@ async def _sse(state: ServerState, completion: _Completion, events: asyncio.Queu
         err = as_api_error(exc)
         yield _event(error_body(err.message, err.type, code=err.code))
     finally:
-        state.admission.release()
+        ticket.release()
         if not completion.done:
             state.engine.cancel(completion.request_id)
 

@@ -25,6 +25,8 @@ async def readyz(request: Request):
     stats = state.engine.stats()
     if state.draining:
         return JSONResponse({"status": "draining", "ready_workers": stats.ready_workers}, status_code=503)
+    if stats.crash_loop is not None:
+        return JSONResponse({"status": "crash loop", "reason": stats.crash_loop, "ready_workers": stats.ready_workers}, status_code=503)
     if stats.ready_workers < 1:
         return JSONResponse({"status": "no ready worker", "ready_workers": 0}, status_code=503)
     return {"status": "ready", "ready_workers": stats.ready_workers}

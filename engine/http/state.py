@@ -18,6 +18,8 @@ class ServerLimits:
     max_body_bytes: int = 4 * 1024 * 1024
     max_queued_requests: int = 512
     """Requests in the server at once; more are answered 429 with Retry-After."""
+    max_queued_tokens: int | None = 200_000
+    """Generation: prompt + max_tokens of all requests in the server at once; more: 429."""
     request_timeout: float = 60.0
     """Seconds before a request is answered 504 and its queued work is dropped."""
     default_max_tokens: int = 16
@@ -43,7 +45,7 @@ class ServerState:
     """Re-read the policy file; raises ValueError with a message for a bad file."""
 
     def __post_init__(self):
-        self.admission = Admission(self.limits.max_queued_requests)
+        self.admission = Admission(self.limits.max_queued_requests, self.limits.max_queued_tokens)
 
     @property
     def admin_token(self) -> str | None:

@@ -1,0 +1,241 @@
+"""`selftune profile | simulate | tune`: the offline commands, wired into the main CLI by `register`.
+
+Each one prints a human-readable report and progress on stderr; with `--json` its last stdout
+line is one JSON object with the results, so scripts can read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import yaml
+
+from engine.config import Knobs
+
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_COST_MODEL = os.path.join(PROJECT_DIR, "configs", "costmodels", "epyc-2core-minilm.json")
+STATIC_POLICY = os.path.join(PROJECT_DIR, "configs", "policies", "static.yaml")
+
+
+def register(subparsers) -> None:
+    """Add the profile, simulate and tune subcommands to the `selftune` parser."""
+    p = subparsers.add_parser("profile", help="measure the model on this machine and fit a cost model")
+    p.add_argument("--model", default="builtin:minilm")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quick", action="store_true", help="a small grid (under ~3 minutes on 2 cores)")
+    p.add_argument("--out", default=DEFAULT_COST_MODEL, help="cost model JSON to write (a PNG goes beside it)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the held-out split")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_profile)
+
+    s = subparsers.add_parser("simulate", help="run a workload through the simulated engine under a policy")
+    s.add_argument("--workload", required=True, help="`kind:key=value,...` (see autotune/workloads.py) or a YAML file")
+    s.add_argument("--policy", default=STATIC_POLICY, help="policy file (as `selftune serve --policy`)")
+    s.add_argument("--cost-model", default=DEFAULT_COST_MODEL)
+    s.add_argument("--slo", type=float, default=0.5, help="latency objective in seconds")
+    _sim_arguments(s)
+    s.add_argument("--out", help="directory for simulation.json and simulation.png")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(run=run_simulate)
+
+    t = subparsers.add_parser("tune", help="tune a policy's parameters (and the static knobs) in the simulator")
+    t.add_argument("--config", required=True, help="tune config YAML (see configs/tune/)")
+    t.add_argument("--policy", help="policy file to tune (overrides the config's)")
+    t.add_argument("--objective", choices=["goodput", "slo_attainment", "cost_per_request"])
+    t.add_argument("--method", choices=["differential_evolution", "nelder-mead", "grid"])
+    t.add_argument("--out", help="directory for the tuned policy YAML and tune.json")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(run=run_tune)
+
+
+def _sim_arguments(parser) -> None:
+    parser.add_argument("--knobs", default="", help="starting knobs, e.g. process_count=2,max_batch_size=8,batch_timeout=0.005")
+    parser.add_argument("--cores", type=int, default=None, help="cores the workers share (default: this machine's)")
+    parser.add_argument("--max-inflight-batches", type=int, default=2)
+    parser.add_argument("--startup-seconds", type=float, default=1.0)
+    parser.add_argument("--max-queued-requests", type=int, default=512)
+    parser.add_argument("--interval", type=float, default=2.0, help="controller interval (autotune.interval_seconds)")
+    parser.add_argument("--cooldown", type=float, default=4.0, help="controller cooldown (autotune.cooldown_seconds)")
+
+
+def parse_knobs(text: str, base: Knobs = Knobs()) -> Knobs:
+    changes = {}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in Knobs.__dataclass_fields__:
+            raise ValueError(f"--knobs: unknown knob {name!r}; one of {', '.join(Knobs.__dataclass_fields__)}")
+        changes[name] = float(value) if name == "batch_timeout" else int(value)
+    return base.replace(**changes)
+
+
+def sim_config(args, slo: float, knobs: Knobs | None = None, **extra):
+    from autotune.simulator import SimConfig
+
+    return SimConfig(
+        knobs=knobs if knobs is not None else parse_knobs(args.knobs),
+        cores=args.cores or len(os.sched_getaffinity(0)),
+        slo_seconds=slo,
+        max_inflight_batches=args.max_inflight_batches,
+        startup_seconds=args.startup_seconds,
+        max_queued_requests=args.max_queued_requests,
+        control_interval=args.interval,
+        cooldown_seconds=args.cooldown,
+        **extra,
+    )
+
+
+def load_workload(spec):
+    """A workload spec string, a YAML file holding one spec mapping, or a mapping."""
+    from autotune.workloads import from_spec
+
+    if isinstance(spec, str) and os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as f:
+            spec = yaml.safe_load(f)
+    return from_spec(spec)
+
+
+def emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, default=_jsonable))
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def say(text: str = "") -> None:
+    print(text, file=sys.stderr)
+
+
+# ---- profile -------------------------------------------------------------------------------
+
+
+def run_profile(args) -> int:
+    from autotune.profiler import FULL, QUICK, plot, profile
+
+    model = profile(args.model, args.dtype, QUICK if args.quick else FULL, args.seed)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    model.save(args.out)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(model, png)
+    fit = model.fit
+    say(f"cost model: {args.out} (+ {png})")
+    say(f"  t = (a + b·B·L + c·B·L²)/speedup(threads) × contention + o·oversubscription")
+    say("  " + ", ".join(f"{n}={v:.4g}" for n, v in zip("abcfsko", model.coefficients())))
+    say(f"  {len(model.points)} points, {fit['heldout_points']} held out: held-out MAPE {fit['heldout_mape']:.1%}, max {fit['heldout_max_ape']:.1%} (train {fit['train_mape']:.1%})")
+    emit({"cost_model": args.out, "png": png, "fit": fit, "coefficients": model.to_json()["coefficients"], "machine": model.machine}, args.json)
+    return 0
+
+
+# ---- simulate ------------------------------------------------------------------------------
+
+
+def run_simulate(args) -> int:
+    from autotune.costmodel import load_cost_model
+    from autotune.simulator import plot_timeline, simulate
+    from policies.loader import load_policy
+
+    arrivals = load_workload(args.workload)
+    policy = load_policy(args.policy)
+    config = sim_config(args, args.slo)
+    started = time.perf_counter()
+    result = simulate(arrivals, load_cost_model(args.cost_model), config, policy)
+    wall = time.perf_counter() - started
+    summary = {"workload": args.workload, "policy": args.policy, "cost_model": args.cost_model, "wall_seconds": round(wall, 3), **result.summary()}
+    _report_simulation(summary)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "simulation.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1, default=_jsonable)
+        plot_timeline(result, os.path.join(args.out, "simulation.png"))
+        say(f"wrote {args.out}/simulation.json and simulation.png")
+    emit(summary, args.json)
+    return 0
+
+
+def _report_simulation(s: dict) -> None:
+    lat = s["latency_seconds"]
+    say(f"{s['requests']} requests over {s['duration_seconds']:.0f} s simulated in {s['wall_seconds']:.2f} s ({s['policy']})")
+    say(f"  throughput {s['throughput']:.2f}/s   goodput {s['goodput']:.2f}/s   SLO {s['slo_seconds']} s attained {s['slo_attainment']:.1%}   rejected {s['rejected']}")
+    say(f"  latency p50 {lat['p50']:.3f}  p95 {lat['p95']:.3f}  p99 {lat['p99']:.3f}  mean {lat['mean']:.3f} s")
+    say(f"  batches {s['batches']} (mean size {s['mean_batch_size']:.2f})   core-seconds {s['core_seconds']:.0f}   knob changes {s['changes']}   final {s['final_knobs']}")
+
+
+# ---- tune ----------------------------------------------------------------------------------
+
+
+def run_tune(args) -> int:
+    from autotune.costmodel import load_cost_model
+    from autotune.tuner import DEFAULT_STATIC_GRID, Problem, get_path, oracle, progress_bar, static_grid, tune_policy, write_knobs, write_policy
+
+    with open(args.config, encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+    policy_path = args.policy or config.get("policy", STATIC_POLICY)
+    with open(policy_path, encoding="utf-8") as f:
+        spec = yaml.safe_load(f)
+    objective = args.objective or config.get("objective", "goodput")
+    search = config.get("search", {}) or {}
+    method = args.method or search.get("method", "differential_evolution")
+    sim = config.get("simulator", {}) or {}
+    defaults = argparse.Namespace(knobs="", cores=None, max_inflight_batches=2, startup_seconds=1.0, max_queued_requests=512, interval=2.0, cooldown=4.0)
+    for key, value in sim.items():
+        if not hasattr(defaults, key) or key == "knobs":
+            raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k != 'knobs')}")
+        setattr(defaults, key, value)
+    knobs = Knobs(**config.get("knobs", {}))
+    problem = Problem(
+        spec=spec,
+        workloads=[load_workload(w) for w in config.get("workloads", [])],
+        cost_model=load_cost_model(config.get("cost_model", DEFAULT_COST_MODEL)),
+        sim=sim_config(defaults, float(config.get("slo_seconds", 0.5)), knobs),
+        objective=objective,
+        space=search.get("params", {}) or {},
+    )
+    if not problem.workloads:
+        raise SystemExit(f"{args.config}: workloads: give at least one")
+    started = time.perf_counter()
+    grid = config.get("static_grid")
+    with progress_bar(len(static_grid(grid or DEFAULT_STATIC_GRID, knobs, problem.sim)), "static oracle") as bar:
+        best_static = oracle(problem, grid, bar)
+    result: dict = {"objective": objective, "policy": policy_path, "oracle": {k: v for k, v in best_static.items() if k != "grid"}}
+    out = args.out or config.get("out", "tune-out")
+    os.makedirs(out, exist_ok=True)
+    name = os.path.splitext(os.path.basename(policy_path))[0]
+    header = f"tuned by `selftune tune --config {args.config}` for {objective}"
+    if spec.get("kind") == "static":
+        path = os.path.join(out, f"{name}-knobs.yaml")
+        write_knobs(best_static["knobs"], path, f"{header}\nbest static knobs (oracle): {objective} {best_static['score']:.4g}")
+        write_policy(spec, os.path.join(out, f"{name}-tuned.yaml"), f"{header}\nstatic: the knobs are in {path} (server config `concurrency:`)")
+        result.update(tuned_policy=os.path.join(out, f"{name}-tuned.yaml"), knobs_file=path, score=best_static["score"])
+    else:
+        with progress_bar(None, f"tuning {spec.get('kind')}") as bar:
+            tuned = tune_policy(problem, method, int(search.get("maxiter", 10)), int(search.get("popsize", 5)), int(search.get("seed", 0)), bar)
+        path = os.path.join(out, f"{name}-tuned.yaml")
+        write_policy(tuned["spec"], path, f"{header}: {tuned['score']:.4g} (shipped parameters {tuned['baseline_score']:.4g}; best static {best_static['score']:.4g})")
+        result.update(tuned_policy=path, score=tuned["score"], baseline_score=tuned["baseline_score"], evaluations=tuned["evaluations"], params={p: get_path(tuned["spec"], p) for p in problem.space})
+    result["wall_seconds"] = round(time.perf_counter() - started, 2)
+    with open(os.path.join(out, "tune.json"), "w", encoding="utf-8") as f:
+        json.dump({**result, "oracle_grid": best_static["grid"]}, f, indent=1, default=_jsonable)
+    _report_tune(result)
+    emit(result, args.json)
+    return 0
+
+
+def _report_tune(r: dict) -> None:
+    o = r["oracle"]
+    say(f"objective: {r['objective']}   ({r['wall_seconds']:.1f} s)")
+    if "baseline_score" in r:
+        say(f"  tuned {r['policy']}: {r['score']:.4g} (shipped parameters: {r['baseline_score']:.4g}) -> {r['tuned_policy']}")
+        say(f"  parameters: {r['params']}")
+    say(f"  best static (oracle): {o['score']:.4g} with {o['knobs']}")
+    say(f"    goodput {o['metrics']['goodput']:.3f}/s, attainment {o['metrics']['slo_attainment']:.1%}, p99 {o['metrics']['p99']:.3f} s")

@@ -1,0 +1,434 @@
+"""Discrete-event simulation of the embedding engine on a virtual clock.
+
+It drives THE SAME objects as the live server: `engine.scheduler.Scheduler` (its Batcher and
+Router) decides every batch and every worker it goes to, a policy from `policies/` decides the
+knobs through the live controller's `DecisionLoop` (interval, cooldown, guardrails). Only the
+workers are simulated: a batch takes what the cost model says, given how many workers are busy
+when it starts. Nothing here reads a clock; `now` is the time of the event being handled.
+
+The loop mirrors `engine.core.EngineCore._turn`: handle one event (an arrival, a batch done,
+a worker ready, a batcher wake-up, a sampler tick), then reconcile the worker count with
+process_count (start new ones, drain the extra), then dispatch what the scheduler says.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autotune.costmodel import CostModel
+from autotune.controller import ControllerConfig, DecisionLoop
+from autotune.guardrails import MachineLimits
+from engine.batcher import Batch, Item
+from engine.config import Bounds, Knobs
+from engine.scheduler import Scheduler
+from monitors.observation import Latency, Load, Observation, WorkerObservation
+from monitors.window import SnapshotWindow
+
+READY, DONE, WAKE, SAMPLE = range(4)
+COUNTERS = ("requests", "completed", "rejected", "batches", "items", "real_tokens", "padded_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """The simulated server: the same settings as the live one's config, with the same defaults."""
+
+    knobs: Knobs = field(default_factory=Knobs)
+    bounds: Bounds = field(default_factory=Bounds)
+    cores: int = 2
+    """Cores the workers share (the cost model's contention and the guardrails' core limit)."""
+    slo_seconds: float = 0.5
+    """A request is good when it finishes within this many seconds of arriving."""
+    max_inflight_batches: int = 2
+    """Batches the router lets one worker hold (engine default); 1 makes each worker a single server."""
+    startup_seconds: float = 1.0
+    """Fork + warm-up time before a new worker takes traffic."""
+    max_queued_requests: int = 512
+    """Admission limit (limits.max_queued_requests): arrivals beyond it are rejected, as with a 429."""
+    sample_interval: float = 1.0
+    """monitors.interval_seconds: how often an Observation is taken."""
+    window_seconds: float = 10.0
+    """monitors.window_seconds: rates and percentiles are over this window."""
+    control_interval: float = 2.0
+    """autotune.interval_seconds: decide at most this often."""
+    cooldown_seconds: float = 4.0
+    """autotune.cooldown_seconds: wait after a change before the next decision."""
+    allow_oversubscription: bool = False
+    pinned: frozenset = frozenset()
+
+
+@dataclass(slots=True)
+class SimWorker:
+    worker_id: int
+    queue: deque = field(default_factory=deque)
+    """Batches assigned but not started (the router's capacity bounds it)."""
+    running: Batch | None = None
+    ready: bool = False
+    busy_seconds: float = 0.0
+    """Accumulated at each batch's end, as the live engine does (so busy_fraction reads alike)."""
+
+
+class SimSampler:
+    """Builds the same `Observation` the live sampler does, from the simulation's state."""
+
+    def __init__(self, sim: "Simulation"):
+        self.sim = sim
+        self.window_seconds = sim.config.window_seconds
+        self._counters = SnapshotWindow(self.window_seconds)
+        self._busy: dict[int, SnapshotWindow] = {}
+        self._recent: deque = deque()
+        """(done time, total, queue, model) of completions, oldest first, pruned to the window."""
+
+    def completed(self, done: float, total: float, queue: float, model: float) -> None:
+        self._recent.append((done, total, queue, model))
+
+    def sample(self, now: float) -> Observation:
+        sim = self.sim
+        self._counters.push(now, np.array([sim.counters[n] for n in COUNTERS], float))
+        while self._recent and self._recent[0][0] <= now - self.window_seconds:
+            self._recent.popleft()
+        oldest = sim.scheduler.batcher.oldest_arrival()
+        common = dict(
+            queue_depth=sim.scheduler.queue_depth(),
+            queue_wait=0.0 if oldest is None else now - oldest,
+            pending_requests=sim.pending,
+            latency=self._latency(),
+        )
+        delta = self._counters.delta()
+        if delta is None:
+            load = Load(**common)
+        else:
+            elapsed, d = delta
+            change = dict(zip(COUNTERS, d))
+            load = Load(
+                arrival_rate=change["requests"] / elapsed,
+                completion_rate=change["completed"] / elapsed,
+                rejected_rate=change["rejected"] / elapsed,
+                batch_size=change["items"] / change["batches"] if change["batches"] else 0.0,
+                batch_fill=change["real_tokens"] / change["padded_tokens"] if change["padded_tokens"] else 1.0,
+                items_rate=change["items"] / elapsed,
+                **common,
+            )
+        return Observation(time=now, window_seconds=self.window_seconds, load=load, workers=self._workers(now))
+
+    def _latency(self) -> dict[str, Latency]:
+        if not self._recent:
+            return {}
+        values = np.array(self._recent, float)
+        out = {}
+        for column, stage in ((1, "total"), (2, "queue"), (3, "model")):
+            p50, p95, p99 = np.percentile(values[:, column], (50, 95, 99))
+            out[stage] = Latency(float(p50), float(p95), float(p99), float(values[:, column].mean()), len(values))
+        return out
+
+    def _workers(self, now: float) -> tuple[WorkerObservation, ...]:
+        router = self.sim.scheduler.router
+        out = []
+        for slot in router.workers():
+            worker = self.sim.workers[slot.worker_id]
+            window = self._busy.setdefault(slot.worker_id, SnapshotWindow(self.window_seconds))
+            window.push(now, worker.busy_seconds)
+            delta = window.delta()
+            busy = min(1.0, max(0.0, delta[1] / delta[0])) if delta else 0.0
+            out.append(WorkerObservation(slot.worker_id, None, slot.state.value, busy, slot.load))
+        for gone in set(self._busy) - {s.worker_id for s in router.workers()}:
+            del self._busy[gone]
+        return tuple(out)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    arrival: np.ndarray
+    lengths: np.ndarray
+    dispatched: np.ndarray
+    done: np.ndarray
+    """Completion time per request; NaN for rejected ones."""
+    rejected: np.ndarray
+    knob_changes: list[tuple[float, Knobs]]
+    decisions: list[dict]
+    decide_calls: int
+    batches: int
+    items: int
+    core_seconds: float
+    end_time: float
+
+    def summary(self) -> dict:
+        """Throughput, goodput within the SLO, latency percentiles, attainment, cost, knobs."""
+        slo = self.config.slo_seconds
+        latency = self.done - self.arrival
+        ok = ~self.rejected
+        finished = latency[ok]
+        duration = max(float(self.arrival[-1]) if len(self.arrival) else 0.0, 1e-9)
+        good = int(np.sum(finished <= slo))
+        p50, p95, p99 = (np.percentile(finished, (50, 95, 99)) if len(finished) else (math.nan,) * 3)
+        return {
+            "requests": int(len(self.arrival)),
+            "completed": int(ok.sum()),
+            "rejected": int(self.rejected.sum()),
+            "duration_seconds": round(duration, 3),
+            "throughput": len(finished) / duration,
+            "goodput": good / duration,
+            "slo_seconds": slo,
+            "slo_attainment": good / len(self.arrival) if len(self.arrival) else 1.0,
+            "latency_seconds": {"p50": float(p50), "p95": float(p95), "p99": float(p99), "mean": float(finished.mean()) if len(finished) else math.nan},
+            "queue_wait_mean_seconds": float(np.mean(self.dispatched[ok] - self.arrival[ok])) if len(finished) else math.nan,
+            "batches": self.batches,
+            "mean_batch_size": self.items / self.batches if self.batches else 0.0,
+            "core_seconds": self.core_seconds,
+            "cost_per_request": self.core_seconds / good if good else math.inf,
+            "decide_calls": self.decide_calls,
+            "changes": len(self.knob_changes) - 1,
+            "final_knobs": self.knob_changes[-1][1].as_dict(),
+            "knob_trajectory": [{"time": round(t, 3), **k.as_dict()} for t, k in self.knob_changes],
+            "decisions": self.decisions,
+        }
+
+
+class Simulation:
+    """One run: arrivals (sorted (time, tokens)) through the engine's scheduler under a policy.
+
+    `policy=None` runs without sampler or controller (the knobs stay; nothing observes), which
+    is what the queueing tests want and what a static policy amounts to.
+    """
+
+    def __init__(self, arrivals, cost_model: CostModel, config: SimConfig = SimConfig(), policy=None):
+        self.arrivals = arrivals
+        self.cost = cost_model
+        self.config = config
+        self.policy = policy
+        self.knobs = config.knobs
+        self.scheduler = Scheduler("embed", config.knobs, config.max_inflight_batches)
+        self.workers: dict[int, SimWorker] = {}
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.pending = 0
+        self.controller = DecisionLoop(policy, config.bounds, _controller_config(config)) if policy is not None else None
+        self.decisions: list[dict] = []
+        self.sampler = SimSampler(self) if policy is not None else None
+        self._events: list = []
+        self._seq = itertools.count()
+        self._worker_ids = itertools.count()
+        self._wakes: set[float] = set()
+        self._busy = 0
+        n = len(arrivals)
+        self.arrival = np.array([a[0] for a in arrivals], float)
+        self.lengths = np.array([a[1] for a in arrivals], int)
+        self.dispatched = np.full(n, math.nan)
+        self.done = np.full(n, math.nan)
+        self.rejected = np.zeros(n, bool)
+        self.knob_changes: list[tuple[float, Knobs]] = [(0.0, config.knobs)]
+        self.core_seconds = 0.0
+        self._last_t = 0.0
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        events, arrival, n = self._events, self.arrival, len(self.arrival)
+        i, now = 0, 0.0
+        if self.sampler is not None:
+            self._push(self.config.sample_interval, SAMPLE, None)
+        self._reconcile(now)
+        for worker_id in list(self.workers):  # the server starts serving once its workers are warm
+            self._handle(READY, worker_id, now)
+        while True:
+            next_arrival = arrival[i] if i < n else math.inf
+            next_event = events[0][0] if events else math.inf
+            if next_arrival == math.inf and next_event == math.inf:
+                break
+            if next_arrival <= next_event:
+                now = next_arrival
+                self._account(now)
+                self._on_arrival(i, now)
+                i += 1
+            else:
+                now, _, kind, data = heapq.heappop(events)
+                self._account(now)
+                if kind == SAMPLE and not self._on_sample(now, more=i < n):
+                    continue
+                self._handle(kind, data, now)
+            self._reconcile(now)
+            self._dispatch(now)
+        return SimResult(
+            self.config, self.arrival, self.lengths, self.dispatched, self.done, self.rejected, self.knob_changes,
+            self.decisions, self.controller.calls if self.controller else 0,
+            self.counters["batches"], self.counters["items"], self.core_seconds, now,
+        )
+
+    def _push(self, t: float, kind: int, data) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, data))
+
+    def _account(self, now: float) -> None:
+        """Core-seconds held: worker processes alive × threads each, integrated over time."""
+        self.core_seconds += (now - self._last_t) * len(self.workers) * self.knobs.threads_per_process
+        self._last_t = now
+
+    def _handle(self, kind: int, data, now: float) -> None:
+        if kind == DONE:
+            self._on_done(data[0], data[1], data[2], now)
+        elif kind == READY:
+            worker = self.workers.get(data)
+            if worker is not None:
+                worker.ready = True
+                self.scheduler.router.mark_ready(data)
+        elif kind == WAKE:
+            self._wakes.discard(now)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def _on_arrival(self, i: int, now: float) -> None:
+        if self.pending >= self.config.max_queued_requests:
+            self.rejected[i] = True
+            self.counters["rejected"] += 1
+            return
+        self.pending += 1
+        self.counters["requests"] += 1
+        self.scheduler.submit(Item(i, 0, int(self.lengths[i]), now))
+
+    def _dispatch(self, now: float) -> None:
+        for dispatch in self.scheduler.schedule(now):
+            batch = dispatch.batch
+            for item in batch.items:
+                self.dispatched[item.request_id] = now
+            self.counters["batches"] += 1
+            self.counters["items"] += len(batch.items)
+            self.counters["padded_tokens"] += batch.padded_length * len(batch.items)
+            self.counters["real_tokens"] += sum(item.length for item in batch.items)
+            worker = self.workers[dispatch.worker_id]
+            worker.queue.append(batch)
+            if worker.running is None:
+                self._start(worker, now)
+        wake = self.scheduler.next_wakeup()
+        if wake is not None and wake > now and wake not in self._wakes:
+            self._wakes.add(wake)
+            self._push(wake, WAKE, None)
+
+    def _start(self, worker: SimWorker, now: float) -> None:
+        batch = worker.queue.popleft()
+        worker.running = batch
+        self._busy += 1
+        k = self.knobs
+        seconds = self.cost.service_time(len(batch.items), batch.padded_length, k.threads_per_process, self._busy, self.config.cores)
+        self._push(now + seconds, DONE, (worker.worker_id, batch, seconds))
+
+    def _on_done(self, worker_id: int, batch: Batch, seconds: float, now: float) -> None:
+        worker = self.workers[worker_id]
+        worker.running = None
+        worker.busy_seconds += seconds
+        self._busy -= 1
+        self.scheduler.router.complete(worker_id, batch.batch_id)
+        for item in batch.items:
+            r = item.request_id
+            self.done[r] = now
+            self.pending -= 1
+            self.counters["completed"] += 1
+            if self.sampler is not None:
+                self.sampler.completed(now, now - item.arrival, self.dispatched[r] - item.arrival, seconds)
+        if worker.queue:
+            self._start(worker, now)
+
+    # ---- workers -----------------------------------------------------------------------------
+
+    def _reconcile(self, now: float) -> None:
+        """EngineCore._reconcile: start workers up to process_count, drain and retire the extra."""
+        router = self.scheduler.router
+        missing = self.knobs.process_count - len(router.active())
+        if missing > 0:
+            for _ in range(missing):
+                worker_id = next(self._worker_ids)
+                router.add(worker_id)
+                self.workers[worker_id] = SimWorker(worker_id)
+                self._push(now + self.config.startup_seconds, READY, worker_id)
+        elif missing < 0:
+            for worker_id in router.choose_to_retire(-missing):
+                router.drain(worker_id)
+        for worker_id in router.idle_draining():
+            if self.workers[worker_id].ready:  # a draining worker still warming up stops once ready
+                router.remove(worker_id)
+                del self.workers[worker_id]
+
+    # ---- observation and control ---------------------------------------------------------------
+
+    def _on_sample(self, now: float, more: bool) -> bool:
+        """Observe, let the controller decide; False once there is nothing left to observe."""
+        if not more and self.pending == 0:
+            return False
+        self._push(now + self.config.sample_interval, SAMPLE, None)
+        step = self.controller.step(self.sampler.sample(now), self.knobs, set(self.config.pinned))
+        if step.entry is not None:
+            self.decisions.append(step.entry)
+        knobs = step.knobs
+        if knobs is not None:
+            self.controller.applied(now)
+            self.knobs = knobs
+            self.scheduler.configure(knobs)
+            self.knob_changes.append((now, knobs))
+        return True
+
+
+def _controller_config(config: SimConfig) -> ControllerConfig:
+    limits = MachineLimits(usable_cores=config.cores, allow_oversubscription=config.allow_oversubscription)
+    return ControllerConfig(interval_seconds=config.control_interval, cooldown_seconds=config.cooldown_seconds, limits=limits)
+
+
+def simulate(arrivals, cost_model: CostModel, config: SimConfig = SimConfig(), policy=None) -> SimResult:
+    return Simulation(arrivals, cost_model, config, policy).run()
+
+
+def plot_timeline(result: SimResult, path: str, bins: int = 300) -> None:
+    """Latency percentiles and load over time, with the knobs beneath (one PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = ~result.rejected
+    end = max(result.end_time, 1e-9)
+    edges = np.linspace(0.0, end, bins + 1)
+    mids = (edges[:-1] + edges[1:]) / 2
+    width = edges[1] - edges[0]
+    which = np.clip(np.searchsorted(edges, result.done[ok], side="right") - 1, 0, bins - 1)
+    latency = (result.done - result.arrival)[ok]
+    p50, p99 = np.full(bins, np.nan), np.full(bins, np.nan)
+    order = np.argsort(which, kind="stable")
+    groups = np.split(latency[order], np.cumsum(np.bincount(which, minlength=bins))[:-1])
+    for b, values in enumerate(groups):
+        if len(values):
+            p50[b], p99[b] = np.percentile(values, (50, 99))
+    arrivals = np.histogram(result.arrival, edges)[0] / width
+    completions = np.bincount(which, minlength=bins) / width
+    times = [t for t, _ in result.knob_changes] + [end]
+    knobs = [k for _, k in result.knob_changes]
+    knobs.append(knobs[-1])
+
+    fig, axes = plt.subplots(4, 1, figsize=(10, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.3, 1.3]})
+    ax = axes[0]
+    ax.plot(mids, p50, lw=0.8, label="p50")
+    ax.plot(mids, p99, lw=0.8, label="p99")
+    ax.axhline(result.config.slo_seconds, color="k", ls="--", lw=0.8, label="SLO")
+    ax.set_yscale("log")
+    ax.set_ylabel("latency (s)")
+    ax.legend(fontsize=8, loc="upper right")
+    axes[1].plot(mids, arrivals, lw=0.8, label="arrivals/s")
+    axes[1].plot(mids, completions, lw=0.8, label="completions/s")
+    axes[1].set_ylabel("req/s")
+    axes[1].legend(fontsize=8, loc="upper right")
+    axes[2].step(times, [k.process_count for k in knobs], where="post", label="process_count")
+    axes[2].step(times, [k.threads_per_process for k in knobs], where="post", label="threads_per_process")
+    axes[2].set_ylabel("workers")
+    axes[2].legend(fontsize=8, loc="upper right")
+    axes[3].step(times, [k.max_batch_size for k in knobs], where="post", label="max_batch_size")
+    axes[3].set_ylabel("max batch")
+    twin = axes[3].twinx()
+    twin.step(times, [k.batch_timeout * 1000 for k in knobs], where="post", color="C1", label="batch_timeout (ms)")
+    twin.set_ylabel("timeout ms")
+    axes[3].legend(fontsize=8, loc="upper left")
+    twin.legend(fontsize=8, loc="upper right")
+    axes[3].set_xlabel("simulated seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
