@@ -4,7 +4,7 @@ Starts `selftune serve` (2 CPU workers), sends open-loop embedding traffic, re-t
 knobs through the admin API every `--retune-seconds`, and samples every process of the server
 (front, zygote, workers) every `--sample-seconds`: PSS and RSS, open fds, threads. After the
 warm-up (the first fifth of the run), it compares the mean of the first and last tenth of the
-remaining samples; growth above `--max-growth` (5 %) in the front process's RSS or fd count,
+remaining samples taken at the most common process count; growth above `--max-growth` (5 %) in the front process's RSS or fd count,
 or in the total PSS, fails the run (exit 1).
 
 `--plant-leak MB_PER_MIN` runs the same server with a thread that keeps allocating (the
@@ -89,7 +89,14 @@ def sample(front: psutil.Process, started: float) -> dict:
 
 
 def growth(rows: list[dict], key: str) -> float:
+    """Relative change of `key` from the first to the last tenth of the post-warm-up samples.
+
+    Re-tunes move the worker count, and each worker brings its own fds and PSS, so only the
+    samples taken at the most common process count are compared with each other.
+    """
     steady = rows[len(rows) // 5 :]
+    modal = statistics.mode(r["processes"] for r in steady)
+    steady = [r for r in steady if r["processes"] == modal]
     tenth = max(1, len(steady) // 10)
     first = statistics.fmean(r[key] for r in steady[:tenth])
     last = statistics.fmean(r[key] for r in steady[-tenth:])

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from monitors.topology import read_text
+
 # /proc/stat cpu columns: user nice system idle iowait irq softirq steal guest guest_nice.
 # guest and guest_nice are already counted inside user and nice, so they are left out of totals.
 _IDLE, _IOWAIT, _STEAL = 3, 4, 7
@@ -134,14 +136,6 @@ def parse_meminfo(text: str) -> dict[str, int]:
     return fields
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
 class HostMonitor:
     """Samples /proc under `proc_root`; keeps the previous counters for the rates."""
 
@@ -174,7 +168,7 @@ class HostMonitor:
         )
 
     def _read_stat(self, notes: list[str]) -> StatCounters | None:
-        text = _read(os.path.join(self.proc_root, "stat"))
+        text = read_text(os.path.join(self.proc_root, "stat"))
         if text is None:
             notes.append(f"{self.proc_root}/stat unreadable")
             return None
@@ -204,14 +198,14 @@ class HostMonitor:
     def _read_loadavg(
         self, notes: list[str]
     ) -> tuple[tuple[float, float, float] | None, int | None]:
-        text = _read(os.path.join(self.proc_root, "loadavg"))
+        text = read_text(os.path.join(self.proc_root, "loadavg"))
         if text is None:
             notes.append(f"{self.proc_root}/loadavg unreadable")
             return None, None
         return parse_loadavg(text)
 
     def _read_meminfo(self, notes: list[str]) -> dict[str, int]:
-        text = _read(os.path.join(self.proc_root, "meminfo"))
+        text = read_text(os.path.join(self.proc_root, "meminfo"))
         if text is None:
             notes.append(f"{self.proc_root}/meminfo unreadable")
             return {}

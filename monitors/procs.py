@@ -4,6 +4,11 @@ The controller compares workers with each other (is one starved, is one swapping
 the wrong node) and counts the real memory cost of one more worker (USS: forked workers share
 the zygote's pages, so RSS overstates it). psutil.Process objects are cached per pid so each
 sample costs a few /proc reads per worker; pids that disappear are dropped, never an error.
+
+USS (smaps_rollup) and NUMA pages (numa_maps) make the kernel walk the process's page
+tables: ~10 ms each for a worker holding torch. They change slowly, so they are re-read at
+most every `detail_seconds` per worker and carried over in between; CPU, RSS, threads and
+affinity are read every sample.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class _Tracked:
     process: psutil.Process
     cpu_seconds: float
     time: float
+    uss: int | None = None
+    numa: dict[int, int] = field(default_factory=dict)
+    detail_time: float | None = None
 
 
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess)
@@ -46,9 +54,10 @@ _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess)
 class ProcessSampler:
     """Samples worker processes; keeps their psutil objects and last CPU times between calls."""
 
-    def __init__(self, proc_root: str = "/proc", read_numa: bool = True) -> None:
+    def __init__(self, proc_root: str = "/proc", read_numa: bool = True, detail_seconds: float = 30.0) -> None:
         self.proc_root = proc_root
         self.read_numa = read_numa
+        self.detail_seconds = detail_seconds
         self._tracked: dict[int, _Tracked] = {}
 
     def sample(self, pids: dict[int, int], now: float) -> dict[int, ProcSample]:
@@ -69,12 +78,13 @@ class ProcessSampler:
             if tracked is not None and not tracked.process.is_running():  # pid was reused
                 tracked = None
             process = tracked.process if tracked else psutil.Process(pid)
+            detail_due = tracked is None or tracked.detail_time is None or now - tracked.detail_time >= self.detail_seconds
             with process.oneshot():
                 if process.status() == psutil.STATUS_ZOMBIE:  # dead, not yet reaped
                     raise psutil.ZombieProcess(pid)
                 times = process.cpu_times()
                 cpu_seconds = times.user + times.system
-                rss, uss = _memory(process)
+                rss, uss = _memory(process) if detail_due else (process.memory_info().rss, tracked.uss)
                 threads = process.num_threads()
                 affinity = _affinity(process)
         except _GONE:
@@ -85,8 +95,12 @@ class ProcessSampler:
         cpu_percent = None
         if tracked is not None and now > tracked.time:
             cpu_percent = max(0.0, cpu_seconds - tracked.cpu_seconds) / (now - tracked.time) * 100
-        self._tracked[pid] = _Tracked(process, cpu_seconds, now)
-        numa = worker_numa_pages(pid, self.proc_root) if self.read_numa else {}
+        if detail_due:
+            numa = worker_numa_pages(pid, self.proc_root) if self.read_numa else {}
+            self._tracked[pid] = _Tracked(process, cpu_seconds, now, uss, numa, now)
+        else:
+            numa = tracked.numa
+            self._tracked[pid] = _Tracked(process, cpu_seconds, now, uss, numa, tracked.detail_time)
         return ProcSample(worker_id, pid, cpu_percent, rss, uss, threads, affinity, numa)
 
 

@@ -104,7 +104,8 @@ def parse_node_meminfo(text: str) -> dict[str, int]:
     return fields
 
 
-def _read(path: str) -> str | None:
+def read_text(path: str) -> str | None:
+    """A small kernel file (sysfs, /proc) as text; None when it is absent or unreadable."""
     try:
         with open(path, encoding="ascii", errors="replace") as f:
             return f.read()
@@ -113,7 +114,7 @@ def _read(path: str) -> str | None:
 
 
 def _read_int(path: str) -> int | None:
-    text = _read(path)
+    text = read_text(path)
     try:
         return int(text.strip()) if text is not None else None
     except ValueError:
@@ -133,7 +134,7 @@ def _cpu_ids(cpu_root: str, notes: list[str]) -> list[int]:
     if not ids:
         notes.append(f"no cpuN directories under {cpu_root}")
         return []
-    online = _read(os.path.join(cpu_root, "online"))
+    online = read_text(os.path.join(cpu_root, "online"))
     if online is None:
         return ids
     online_ids = set(parse_cpulist(online))
@@ -152,9 +153,9 @@ def _read_nodes(node_root: str, cpu_ids: list[int], notes: list[str]) -> list[Nu
     nodes = []
     for n in node_ids:
         base = os.path.join(node_root, f"node{n}")
-        cpulist = _read(os.path.join(base, "cpulist"))
+        cpulist = read_text(os.path.join(base, "cpulist"))
         cpus = tuple(c for c in parse_cpulist(cpulist) if c in known) if cpulist else ()
-        meminfo = _read(os.path.join(base, "meminfo"))
+        meminfo = read_text(os.path.join(base, "meminfo"))
         mem = parse_node_meminfo(meminfo) if meminfo else {}
         if meminfo is None:
             notes.append(f"node{n}: meminfo unreadable")
@@ -166,7 +167,7 @@ def _read_cpu(cpu_root: str, cpu: int, node: int | None, notes: list[str]) -> Cp
     base = os.path.join(cpu_root, f"cpu{cpu}", "topology")
     core_id = _read_int(os.path.join(base, "core_id"))
     package_id = _read_int(os.path.join(base, "physical_package_id"))
-    siblings_text = _read(os.path.join(base, "thread_siblings_list"))
+    siblings_text = read_text(os.path.join(base, "thread_siblings_list"))
     if core_id is None or package_id is None or siblings_text is None:
         notes.append(f"cpu{cpu}: topology incomplete, treated as its own core on package 0")
     siblings = parse_cpulist(siblings_text) if siblings_text else (cpu,)

@@ -42,6 +42,9 @@ class AimdParams(Params):
     """Seconds to hold after a change, so the window reflects the new setting (one sampler window)."""
     halve_timeout_over_slo: bool = False
     """Also halve batch_timeout when p99 is over the SLO."""
+    increase_below: float = Field(1.0, gt=0, le=1)
+    """Grow only while p99 <= increase_below × SLO. 1.0 is Clipper's rule (grow up to the SLO,
+    so the sawtooth's peaks touch it); below 1 keeps the peaks under the SLO."""
 
 
 class AimdPolicy:
@@ -68,6 +71,11 @@ class AimdPolicy:
         if latency.p99 > p.slo_p99_seconds:
             proposal = self._decrease(knobs, bounds)
             why = f"{p.stage} p99 {latency.p99:.3f} s > SLO {p.slo_p99_seconds:.3f} s"
+        elif latency.p99 > p.increase_below * p.slo_p99_seconds:
+            return Decision(
+                knobs,
+                f"{p.stage} p99 {latency.p99:.3f} s within the SLO but above {p.increase_below:g} × SLO: max_batch_size stays {size}",
+            )
         elif observation.load.batch_size >= p.fill_threshold * size:
             proposal = knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", size + p.additive_step))
             why = (

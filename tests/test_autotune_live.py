@@ -105,3 +105,31 @@ def test_no_autotune_and_a_bad_policy_file(tmp_path):
         assert "autotune off" in srv.log()
     finally:
         assert srv.stop() == 0
+
+
+def test_aimd_brings_p99_back_within_the_slo_after_a_step(tmp_path):
+    """A long batch timeout meets a load step; AIMD shrinks batches until p99 is inside the SLO."""
+    slo = 0.25
+    policy = tmp_path / "aimd.yaml"
+    policy.write_text(yaml.safe_dump({"kind": "aimd", "slo_p99_seconds": slo, "additive_step": 1, "decrease_factor": 0.5, "min_requests": 20, "cooldown_seconds": 2, "increase_below": 0.7}))
+    config = {
+        "concurrency": {"process_count": 1, "max_batch_size": 32, "batch_timeout": 0.2},
+        "monitors": {"interval_seconds": 0.5, "window_seconds": 3},
+        "autotune": {"policy": str(policy), "interval_seconds": 1, "cooldown_seconds": 1},
+    }
+    srv = ServerProcess(tmp_path, config, env={"SELFTUNE_ADMIN_TOKEN": TOKEN})
+    body = json.dumps({"model": MODEL, "input": "a sentence to embed while the batch size moves", "encoding_format": "base64"}).encode()
+    try:
+        results = open_loop("127.0.0.1", srv.port, [(5, 5), (60, 35)], body)
+        assert all(r.status == 200 for r in results)
+        settled = sorted(r.latency for r in results if r.sent_at >= 30)  # the last 10 s of the step
+        p99 = settled[int(0.99 * (len(settled) - 1))]
+        early = sorted(r.latency for r in results if 5 <= r.sent_at < 10)
+        decisions = httpx.get(srv.url + "/admin/decisions", headers={"authorization": f"Bearer {TOKEN}"}).json()["decisions"]
+        shrinks = [d for d in decisions if d["outcome"] == "applied" and d["new"]["max_batch_size"] < d["old"]["max_batch_size"]]
+        print(f"\naimd: p99 right after the step {early[int(0.99 * (len(early) - 1))]:.3f} s, settled {p99:.3f} s (SLO {slo}); "
+              f"max_batch_size {[d['new']['max_batch_size'] for d in decisions if d['outcome'] == 'applied']}")
+        assert shrinks and all("SLO" in d["reason"] for d in shrinks)
+        assert p99 <= slo
+    finally:
+        assert srv.stop() == 0

@@ -641,3 +641,12 @@ def test_search_load_change_during_a_trial_goes_back_to_the_best():
     decision = policy.decide(obs(7, arrival=3000, completion=completion, p99=p99), knobs, SEARCH_BOUNDS)
     assert decision.knobs == START and policy.state == "baseline"
     assert "moved during the trial" in decision.reason
+
+
+def test_aimd_grows_only_below_the_increase_threshold():
+    policy = AimdPolicy(AimdParams(slo_p99_seconds=1.0, increase_below=0.7, cooldown_seconds=0))
+    knobs = Knobs(max_batch_size=8)
+    held = policy.decide(obs(0.0, p99=0.8, batch_size=8.0, count=100), knobs, Bounds())
+    assert held.knobs.max_batch_size == 8 and "0.7" in held.reason
+    grown = policy.decide(obs(1.0, p99=0.5, batch_size=8.0, count=100), knobs, Bounds())
+    assert grown.knobs.max_batch_size > 8

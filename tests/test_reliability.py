@@ -33,6 +33,30 @@ def engine_pids(server) -> tuple[int, list[int]]:
     return zygotes[0].pid, [c.pid for c in zygotes[0].children() if c.status() != psutil.STATUS_ZOMBIE]
 
 
+def load_while(server, seconds: float, every: float, action) -> list[int]:
+    """20 req/s of open-loop load for `seconds` while `action()` runs every `every` seconds."""
+    stop = threading.Event()
+    errors = []
+
+    def repeat():
+        while not stop.wait(every):
+            try:
+                action()
+            except Exception as exc:  # surfaced after the load, not lost in the thread
+                errors.append(exc)
+                return
+
+    thread = threading.Thread(target=repeat)
+    thread.start()
+    try:
+        return run_steps(server, [(20, seconds)])
+    finally:
+        stop.set()
+        thread.join()
+        if errors:
+            raise errors[0]
+
+
 def stats(server) -> dict:
     return httpx.get(server.url + "/stats", timeout=10).json()
 
@@ -47,23 +71,15 @@ def test_random_killer_every_request_answered_and_workers_come_back(tmp_path, se
     srv = ServerProcess(tmp_path, config)
     rng = random.Random(7)
     kills = []
-    stop = threading.Event()
 
-    def killer():
-        while not stop.wait(2.5):
-            _, workers = engine_pids(srv)
-            if workers:
-                victim = rng.choice(workers)
-                os.kill(victim, signal.SIGKILL)
-                kills.append(victim)
+    def kill_one():
+        _, workers = engine_pids(srv)
+        if workers:
+            victim = rng.choice(workers)
+            os.kill(victim, signal.SIGKILL)
+            kills.append(victim)
 
-    thread = threading.Thread(target=killer)
-    thread.start()
-    try:
-        statuses = run_steps(srv, [(20, seconds)])
-    finally:
-        stop.set()
-        thread.join()
+    statuses = load_while(srv, seconds, every=2.5, action=kill_one)
     try:
         print(f"\nrandom killer: {len(kills)} kills in {seconds}s, {len(statuses)} requests, statuses {({s: statuses.count(s) for s in set(statuses)})}")
         assert len(kills) >= seconds // 3
@@ -85,29 +101,22 @@ def test_retune_storm_fails_nothing_and_leaks_nothing(tmp_path, shm_entries, sec
     fds_before = front.num_fds()
     rng = random.Random(3)
     changes = []
-    stop = threading.Event()
+    http = httpx.Client(timeout=30)
 
-    def storm():
-        with httpx.Client(timeout=30) as http:
-            while not stop.wait(0.05):
-                knobs = {
-                    "process_count": rng.randint(1, 3),
-                    "threads_per_process": rng.randint(1, 2),
-                    "io_threads": rng.randint(0, 3),
-                    "batch_timeout": rng.choice([0.0, 0.001, 0.005, 0.02]),
-                    "max_batch_size": rng.choice([1, 2, 8, 32]),
-                }
-                r = http.put(srv.url + "/admin/knobs", json=knobs, headers=AUTH)
-                assert r.status_code == 200, r.text
-                changes.append(knobs)
+    def retune():
+        knobs = {
+            "process_count": rng.randint(1, 3),
+            "threads_per_process": rng.randint(1, 2),
+            "io_threads": rng.randint(0, 3),
+            "batch_timeout": rng.choice([0.0, 0.001, 0.005, 0.02]),
+            "max_batch_size": rng.choice([1, 2, 8, 32]),
+        }
+        r = http.put(srv.url + "/admin/knobs", json=knobs, headers=AUTH)
+        assert r.status_code == 200, r.text
+        changes.append(knobs)
 
-    thread = threading.Thread(target=storm)
-    thread.start()
-    try:
-        statuses = run_steps(srv, [(20, seconds)])
-    finally:
-        stop.set()
-        thread.join()
+    with http:
+        statuses = load_while(srv, seconds, every=0.05, action=retune)
     try:
         httpx.put(srv.url + "/admin/knobs", json={"process_count": 2, "io_threads": 2}, headers=AUTH)
         wait_until(lambda: len(stats(srv)["workers"]) == 2 and stats(srv)["ready_workers"] == 2, timeout=30)
@@ -204,7 +213,7 @@ def test_schemathesis_finds_no_server_error(tmp_path):
                 "--phases", "examples,coverage,fuzzing", "--max-time", "40", "--generation-deterministic",
                 "--header", f"Authorization: Bearer {TOKEN}",
             ],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,  # its cache dir goes there
         )
         print(result.stdout[-1500:])
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
