@@ -524,7 +524,6 @@ class EngineCore:
             self.scheduler.router.complete(handle.worker_id, batch.batch_id)
             return
         job.worker_id, job.batch_id = handle.worker_id, batch.batch_id
-        job.extra.setdefault("dispatched", now)
         handle.batches[batch.batch_id] = (batch, -1, now)
         self.counters.batches += 1
         self.counters.items += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -112,4 +112,3 @@ class GenerateJob:
     last_token_at: float | None = None
     worker_id: int | None = None
     batch_id: int | None = None
-    extra: dict = field(default_factory=dict)
