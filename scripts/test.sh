@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite (about 3 minutes on 2 cores). Benchmarks and soak runs are opt-in: -m bench / -m slow.
+# The test suite (about 5 minutes on 2 cores). Benchmarks and soak runs are opt-in: -m bench / -m slow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec python -m pytest "$@"
