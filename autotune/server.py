@@ -23,7 +23,7 @@ from autotune.settings import ServerConfig
 from autotune.telemetry import Telemetry
 from engine.engine import Engine
 from engine.http.app import create_app
-from engine.placement import MachineTopology, PlacementError, validate_explicit
+from engine.placement import PlacementError, validate_explicit
 from monitors.gpu import GpuMonitor
 from monitors.topology import read_topology
 from policies.loader import PolicyError, load_policy
@@ -31,9 +31,9 @@ from policies.loader import PolicyError, load_policy
 log = logging.getLogger("selftune")
 
 
-def build_app(engine: Engine, config: ServerConfig) -> tuple[FastAPI, Telemetry, Controller | None]:
+def build_app(engine: Engine, config: ServerConfig, gpu: GpuMonitor | None = None) -> tuple[FastAPI, Telemetry, Controller | None]:
     """The app for a started engine, with /metrics served and, unless off, the autotuner."""
-    telemetry = Telemetry(engine, interval=config.monitors.interval_seconds, window=config.monitors.window_seconds)
+    telemetry = Telemetry(engine, interval=config.monitors.interval_seconds, window=config.monitors.window_seconds, gpu=gpu)
     app = create_app(
         engine, config.server_limits(), config.admin.token_env, config.server.shutdown_grace_seconds, before_shutdown=telemetry.stop
     )
@@ -88,7 +88,8 @@ def serve(config: ServerConfig) -> int:
             print(f"selftune: {exc}", file=sys.stderr)
             return 2
     try:
-        engine_config = dataclasses.replace(config.engine_config(), topology=machine_topology_now())
+        gpu = GpuMonitor()  # one NVML session for the placement plan and the sampler
+        engine_config = dataclasses.replace(config.engine_config(), topology=machine_topology(read_topology(), gpu.sample(time.monotonic()).devices))
         if engine_config.placement == "explicit":
             validate_explicit(engine_config.topology, engine_config.placement_cpus, engine_config.knobs.process_count)
     except PlacementError as exc:
@@ -101,7 +102,7 @@ def serve(config: ServerConfig) -> int:
         print(f"selftune: could not start the engine: {exc}", file=sys.stderr)
         engine.shutdown(grace=0)
         return 1
-    app, telemetry, controller = build_app(engine, config)
+    app, telemetry, controller = build_app(engine, config, gpu)
     telemetry.start()
     _print_banner(config, engine, controller)
     server = _Server(
@@ -122,12 +123,6 @@ def serve(config: ServerConfig) -> int:
         telemetry.stop()
         engine.shutdown(grace=0)
     return 0 if server.started else 1
-
-
-def machine_topology_now() -> MachineTopology:
-    """This machine's CPUs, NUMA nodes and GPUs, for the placement planner."""
-    gpus = GpuMonitor().sample(time.monotonic()).devices
-    return machine_topology(read_topology(), gpus)
 
 
 class _Server(uvicorn.Server):

@@ -9,6 +9,7 @@ import time
 from engine.engine import Engine
 from engine.http.state import ServerState
 from engine.stats import LatencyHistograms
+from monitors.gpu import GpuMonitor
 from monitors.observation import Observation
 from monitors.sampler import EngineReading, Sampler
 
@@ -18,11 +19,11 @@ log = logging.getLogger("selftune.telemetry")
 class Telemetry:
     """Samples every `interval` seconds on its own thread; `latest` is the newest Observation."""
 
-    def __init__(self, engine: Engine, state: ServerState | None = None, interval: float = 1.0, window: float = 10.0, sampler: Sampler | None = None):
+    def __init__(self, engine: Engine, state: ServerState | None = None, interval: float = 1.0, window: float = 10.0, gpu: GpuMonitor | None = None):
         self.engine = engine
         self.state = state
         self.interval = interval
-        self.sampler = sampler if sampler is not None else Sampler(self.reading, window_seconds=window)
+        self.sampler = Sampler(self.reading, window_seconds=window, gpu=gpu)
         self.latest: Observation | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
