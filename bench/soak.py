@@ -6,7 +6,9 @@ knobs through the admin API every `--retune-seconds`, and samples every process 
 are not TCP connections: client keep-alive connections come and go with the load), threads. After the
 warm-up (the first fifth of the run), it compares the mean of the first and last tenth of the
 remaining samples taken at the most common process count; growth above `--max-growth` (5 %) in the front process's RSS or non-TCP fd count,
-or in the total PSS, fails the run (exit 1).
+or in the USS summed over all its processes, fails the run (exit 1). (PSS is recorded too,
+but it splits shared library pages among every process on the machine that maps them, so it
+moves when unrelated processes start or stop.)
 
 `--plant-leak MB_PER_MIN` runs the same server with a thread that keeps allocating (the
 positive control: it must fail).
@@ -71,12 +73,12 @@ def start_server(port: int, leak_mb_per_min: float, workdir: str) -> subprocess.
 
 def sample(front: psutil.Process, started: float) -> dict:
     procs = [front] + front.children(recursive=True)
-    pss = rss_all = 0
+    pss = uss = 0
     for p in procs:
         try:
             info = p.memory_full_info()
             pss += info.pss
-            rss_all += info.rss
+            uss += info.uss
         except psutil.Error:
             pass
     return {
@@ -87,6 +89,9 @@ def sample(front: psutil.Process, started: float) -> dict:
         "front_fds_not_tcp": front.num_fds() - len(front.net_connections(kind="tcp")),
         "front_threads": front.num_threads(),
         "total_pss_mib": pss / 2**20,
+        # PSS splits shared pages (libtorch...) among every process on the machine that maps
+        # them, so it moves when unrelated processes come and go; USS is what the server owns.
+        "total_uss_mib": uss / 2**20,
         "processes": len(procs),
     }
 
@@ -131,8 +136,9 @@ def main(argv=None) -> int:
                 state["next_sample"] += args.sample_seconds
                 rows.append(sample(front, started))
                 r = rows[-1]
-                print(f"[{r['t']:7.1f}s] front RSS {r['front_rss_mib']:.1f} MiB, fds {r['front_fds']}, threads {r['front_threads']}, "
-                      f"total PSS {r['total_pss_mib']:.1f} MiB, {r['processes']} processes", file=sys.stderr, flush=True)
+                print(f"[{r['t']:7.1f}s] front RSS {r['front_rss_mib']:.1f} MiB, fds {r['front_fds']} ({r['front_fds_not_tcp']} not TCP), "
+                      f"threads {r['front_threads']}, total USS {r['total_uss_mib']:.1f} MiB, PSS {r['total_pss_mib']:.1f} MiB, "
+                      f"{r['processes']} processes", file=sys.stderr, flush=True)
             if elapsed >= state["next_retune"]:
                 state["next_retune"] += args.retune_seconds
                 knobs = {"process_count": rng.choice([1, 2]), "max_batch_size": rng.choice([4, 8, 16, 32]), "batch_timeout": rng.choice([0.0, 0.002, 0.01])}
@@ -150,7 +156,7 @@ def main(argv=None) -> int:
         "requests": len(results),
         "statuses": statuses,
         "planted_leak_mb_per_min": args.plant_leak,
-        "growth": {k: growth(rows, k) for k in ("front_rss_mib", "front_fds_not_tcp", "total_pss_mib")},
+        "growth": {k: growth(rows, k) for k in ("front_rss_mib", "front_fds_not_tcp", "total_uss_mib")},
         "first": rows[len(rows) // 5] if rows else None,
         "last": rows[-1] if rows else None,
     }
@@ -183,6 +189,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
     axes[0].plot(t, [r["front_rss_mib"] for r in rows], label="front RSS")
     axes[0].plot(t, [r["total_pss_mib"] for r in rows], label="all processes PSS")
+    axes[0].plot(t, [r["total_uss_mib"] for r in rows], label="all processes USS")
     axes[0].set_ylabel("MiB")
     axes[0].legend()
     axes[1].plot(t, [r["front_fds"] for r in rows])

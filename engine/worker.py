@@ -48,22 +48,10 @@ def run_worker(spec: m.WorkerSpec, conn: Connection, model) -> int:
 
 
 def apply_knobs(msg: m.SetKnobs) -> None:
-    """Threads and CPUs; pinning first, so a grown OpenMP pool starts on the new CPUs.
-
-    Then hand freed heap back to the kernel: a batch-size change leaves the buffers of the
-    old shapes free inside glibc's heap, and a long-lived worker would keep them for good.
-    """
+    """Threads and CPUs; pinning first, so a grown OpenMP pool starts on the new CPUs."""
     if msg.cpus:
         pin_current_process(msg.cpus)
     torch.set_num_threads(msg.threads)
-    release_free_memory()
-
-
-def release_free_memory() -> None:
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim
 
 
 class EmbedWorker:
