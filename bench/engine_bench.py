@@ -446,8 +446,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-wait", action="store_true", help="do not wait for other processes to go quiet before measuring")
     args = ap.parse_args(argv)
 
-    from engine.config import EngineConfig, Knobs
-    from engine.engine import Engine
+    from engine.config import EngineConfig
     from engine.loading import load_tokenizer
     from engine.model_source import resolve_model
 
