@@ -22,9 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--policy", help="autotuning policy file (autotune.policy)")
     serve.add_argument("--no-autotune", action="store_true", help="keep the configured knobs; no controller")
     serve.set_defaults(run=run_serve)
+    from autotune.bench.cli import register as register_bench
     from autotune.offline_cli import register
 
     register(commands)
+    register_bench(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

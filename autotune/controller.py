@@ -71,7 +71,7 @@ class DecisionLoop:
         self.next_decision_at = now + self.config.interval_seconds
         self.calls += 1
         limits = self._limits(observation)
-        bounds = effective_bounds(self.bounds, limits, current)
+        bounds = effective_bounds(self.bounds, limits, current, pinned)
         try:
             decision = self.policy.decide(observation, current, bounds)
         except Exception as exc:

@@ -64,6 +64,10 @@ class FittedCostModel:
     """How good the fit is: held-out errors, point counts."""
     points: list = field(default_factory=list)
     """The measurements it was fitted to (batch_size, padded_length, threads, processes, seconds)."""
+    serving: dict = field(default_factory=dict)
+    """Per-request costs outside the workers, measured on a live server by `selftune validate
+    --calibrate`: request_overhead_seconds, front_cpu_seconds_per_request, model_time_factor
+    (the simulator's defaults)."""
 
     def service_time(self, batch_size: int, padded_length: int, threads: int, active_workers: int, cores: int) -> float:
         return float(
@@ -81,7 +85,7 @@ class FittedCostModel:
         return np.array([getattr(self, name) for name in COEFFICIENTS], float)
 
     def to_json(self) -> dict:
-        return {"form": FORM, "coefficients": {n: getattr(self, n) for n in COEFFICIENTS}, "machine": self.machine, "fit": self.fit, "points": self.points}
+        return {"form": FORM, "coefficients": {n: getattr(self, n) for n in COEFFICIENTS}, "machine": self.machine, "fit": self.fit, "serving": self.serving, "points": self.points}
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -91,7 +95,13 @@ class FittedCostModel:
     @classmethod
     def from_json(cls, data: dict) -> "FittedCostModel":
         coefficients = data["coefficients"]
-        return cls(**{n: float(coefficients[n]) for n in COEFFICIENTS}, machine=data.get("machine", {}), fit=data.get("fit", {}), points=data.get("points", []))
+        return cls(
+            **{n: float(coefficients[n]) for n in COEFFICIENTS},
+            machine=data.get("machine", {}),
+            fit=data.get("fit", {}),
+            points=data.get("points", []),
+            serving=data.get("serving", {}),
+        )
 
 
 def load_cost_model(path: str) -> FittedCostModel:

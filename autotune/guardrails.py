@@ -30,13 +30,19 @@ class MachineLimits:
     devices: int = 0
 
 
-def effective_bounds(bounds: Bounds, limits: MachineLimits, knobs: Knobs) -> Bounds:
-    """The configured bounds narrowed to the machine, given the current thread count."""
+def effective_bounds(bounds: Bounds, limits: MachineLimits, knobs: Knobs, pinned: frozenset[str] | set[str] = frozenset()) -> Bounds:
+    """The configured bounds narrowed to the machine.
+
+    process_count may go up to the cores over the fewest threads a worker may have: a policy
+    that adds processes gets them, and `constrain` then takes threads away to fit, unless
+    threads_per_process is pinned (then the current thread count divides the cores).
+    """
     pc_lo, pc_hi = bounds.process_count
     tp_lo, tp_hi = bounds.threads_per_process
     if not limits.allow_oversubscription:
         tp_hi = max(tp_lo, min(tp_hi, limits.usable_cores))
-        pc_hi = min(pc_hi, max(1, limits.usable_cores // max(1, knobs.threads_per_process)))
+        threads = knobs.threads_per_process if "threads_per_process" in pinned else tp_lo
+        pc_hi = min(pc_hi, max(1, limits.usable_cores // max(1, threads)))
     if limits.memory_budget_bytes and limits.worker_memory_bytes:
         pc_hi = min(pc_hi, max(1, limits.memory_budget_bytes // limits.worker_memory_bytes))
     if limits.workers_per_device and limits.devices:

@@ -1,82 +1,144 @@
-"""An open-loop HTTP load generator: arrivals are scheduled, never wait for answers.
+"""An open-loop HTTP load generator on asyncio + httpx: arrivals are scheduled, never wait for answers.
 
-Used by the soak script, the benchmarks and the live tests. Requests go out from a pool of
-keep-alive connections at the scheduled times, so queueing in the server shows up as latency
-(a closed loop would hide it by slowing down).
+Used by `selftune bench`, `selftune validate`, the soak script and the live tests. aiohttp,
+not httpx: on one core httpx's async client tops out near 360 requests/s against an endpoint
+that answers at once, aiohttp holds 1,500/s with a 99th-percentile send lag of 14 ms. Every
+request is a task started at its scheduled time, so queueing in the server shows up as latency
+(a closed loop would hide it by slowing down). Latency is measured from the *scheduled* time,
+the way wrk2 does it: if the generator itself falls behind, that shows as latency too, and as
+`lag` (how late the request left), which the caller can check to prove the generator was not
+the bottleneck.
+
+`on_tick` runs on its own thread, so a slow callback (sampling processes, calling the admin
+API) never delays the arrivals.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import http.client
+import asyncio
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
+
+import aiohttp
+
+STAGE_HEADERS = {
+    "preprocess": "x-selftune-preprocess-ms",
+    "queue": "x-selftune-queue-ms",
+    "model": "x-selftune-model-ms",
+    "server": "x-selftune-total-ms",
+}
+"""Stage timings the server reports per response (milliseconds), by the name results use."""
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
     sent_at: float
-    """Seconds after the run started."""
+    """Scheduled time, seconds after the run started."""
     status: int
+    """HTTP status; 0 when the connection failed."""
     latency: float
+    """Seconds from the scheduled time to the whole response."""
+    lag: float = 0.0
+    """Seconds the request left after its scheduled time (the generator's own delay)."""
+    stages: dict[str, float] = field(default_factory=dict)
+    """Server-reported stage times in seconds (preprocess, queue, model, server), when sent."""
+
+
+Body = bytes | Callable[[int], bytes]
+
+
+def arrivals_from_steps(steps: list[tuple[float, float]]) -> list[float]:
+    """Evenly spaced arrival times: `rate` per second for `seconds`, for each (rate, seconds)."""
+    times: list[float] = []
+    offset = 0.0
+    for rate, seconds in steps:
+        times.extend(offset + k / rate for k in range(int(rate * seconds)))
+        offset += seconds
+    return times
+
+
+def run(
+    url: str,
+    arrivals: list[float],
+    body: Body,
+    path: str = "/v1/embeddings",
+    connections: int = 512,
+    on_tick: Callable[[float], None] | None = None,
+    tick_seconds: float = 0.5,
+    timeout: float = 120.0,
+) -> list[Result]:
+    """Send request i at `arrivals[i]` seconds after the start; one Result per request, in order.
+
+    At most `connections` requests are on the wire at once (a request beyond that waits for a
+    connection, and its latency includes the wait).
+    """
+    stop = threading.Event()
+    started = time.monotonic()
+    ticker = None
+    if on_tick is not None:
+        ticker = threading.Thread(target=_tick, args=(on_tick, started, tick_seconds, stop), name="loadgen-tick", daemon=True)
+        ticker.start()
+    try:
+        return asyncio.run(_send_all(url.rstrip("/") + path, arrivals, body, connections, timeout, started))
+    finally:
+        stop.set()
+        if ticker is not None:
+            ticker.join()
 
 
 def open_loop(
     host: str,
     port: int,
     steps: list[tuple[float, float]],
-    body: bytes | Callable[[int], bytes],
+    body: Body,
     path: str = "/v1/embeddings",
-    connections: int = 32,
+    connections: int = 512,
     on_tick: Callable[[float], None] | None = None,
     tick_seconds: float = 0.5,
 ) -> list[Result]:
-    """Send `rate` requests per second for `seconds`, for each (rate, seconds) step.
+    """`run` with evenly spaced arrivals at `rate` per second for each (rate, seconds) step."""
+    return run(f"http://{host}:{port}", arrivals_from_steps(steps), body, path, connections, on_tick, tick_seconds)
 
-    `on_tick(elapsed)` runs about every `tick_seconds` on the scheduling thread (progress
-    lines, sampling the server). A status of 0 means the connection failed.
-    """
-    local = threading.local()
 
-    def post(payload: bytes) -> int:
-        if not hasattr(local, "conn"):
-            local.conn = http.client.HTTPConnection(host, port, timeout=120)
+def _tick(on_tick: Callable[[float], None], started: float, every: float, stop: threading.Event) -> None:
+    while not stop.wait(every):
+        on_tick(time.monotonic() - started)
+
+
+async def _send_all(url: str, arrivals: list[float], body: Body, connections: int, timeout: float, started: float) -> list[Result]:
+    connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=2.0)
+    session_timeout = aiohttp.ClientTimeout(total=timeout)
+    headers = {"content-type": "application/json"}
+    async with aiohttp.ClientSession(connector=connector, timeout=session_timeout, headers=headers) as session:
+
+        async def one(i: int, due: float) -> Result:
+            payload = body(i) if callable(body) else body
+            sent = time.monotonic()
+            status, stages = await _post(session, url, payload)
+            done = time.monotonic()
+            return Result(due - started, status, done - due, sent - due, stages)
+
+        tasks = []
+        for i, offset in enumerate(arrivals):
+            due = started + offset
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, due)))
+        return list(await asyncio.gather(*tasks))
+
+
+async def _post(session: aiohttp.ClientSession, url: str, payload: bytes) -> tuple[int, dict[str, float]]:
+    """POST once more if the server closed a keep-alive connection under us; status 0 if it fails."""
+    for attempt in range(2):
         try:
-            local.conn.request("POST", path, payload, {"content-type": "application/json"})
-            response = local.conn.getresponse()
-            response.read()
-            return response.status
-        except (OSError, http.client.HTTPException):
-            local.conn.close()
-            del local.conn
-            return 0
-
-    def send(i: int, scheduled: float) -> Result:
-        payload = body(i) if callable(body) else body
-        started = time.perf_counter()
-        reused = hasattr(local, "conn")
-        status = post(payload)
-        if status == 0 and reused:
-            status = post(payload)  # the server closed an idle keep-alive connection: retry on a new one
-        return Result(scheduled, status, time.perf_counter() - started)
-
-    futures = []
-    with concurrent.futures.ThreadPoolExecutor(connections) as pool:
-        start = time.monotonic()
-        next_tick = start
-        offset = 0.0
-        index = 0
-        for rate, seconds in steps:
-            for k in range(int(rate * seconds)):
-                due = start + offset + k / rate
-                while (now := time.monotonic()) < due:
-                    if on_tick is not None and now >= next_tick:
-                        on_tick(now - start)
-                        next_tick = now + tick_seconds
-                    time.sleep(min(0.005, max(0.0, due - time.monotonic())))
-                futures.append(pool.submit(send, index, due - start))
-                index += 1
-            offset += seconds
-        return [f.result() for f in futures]
+            async with session.post(url, data=payload) as response:
+                await response.read()
+                stages = {name: float(response.headers[h]) / 1000 for name, h in STAGE_HEADERS.items() if h in response.headers}
+                return response.status, stages
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            if attempt == 0:
+                continue
+    return 0, {}

@@ -1,4 +1,4 @@
-"""`selftune profile | simulate | tune`: the offline commands, wired into the main CLI by `register`.
+"""`selftune profile | simulate | tune | validate`: the offline commands, wired into the main CLI by `register`.
 
 Each one prints a human-readable report and progress on stderr; with `--json` its last stdout
 line is one JSON object with the results, so scripts can read it.
@@ -15,6 +15,7 @@ import time
 
 import yaml
 
+from autotune.bench.modes import parse_knobs
 from engine.config import Knobs
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,9 +53,25 @@ def register(subparsers) -> None:
     t.add_argument("--json", action="store_true")
     t.set_defaults(run=run_tune)
 
+    v = subparsers.add_parser("validate", help="run workloads on a live server and in the simulator, side by side")
+    v.add_argument("--workload", action="append", help="a workload spec (repeatable); default: Poisson at each of --rates")
+    v.add_argument("--rates", default="20,60,100,140", help="Poisson rates (req/s) for the default workloads, light to overload")
+    v.add_argument("--seconds", type=float, default=40.0, help="length of each default workload")
+    v.add_argument("--length", default="16-64", help="input tokens of the default workloads and the calibration (N or LOW-HIGH)")
+    v.add_argument("--policy", help="a policy file, for both sides (default: static knobs)")
+    v.add_argument("--cost-model", default=DEFAULT_COST_MODEL)
+    v.add_argument("--model", default="builtin:minilm")
+    v.add_argument("--slo", type=float, default=0.5)
+    _sim_arguments(v)
+    v.add_argument("--calibrate", action="store_true", help="first measure the per-request costs outside the workers on a light "
+                   "live load, write them into the cost model's `serving` section, and simulate with them")
+    v.add_argument("--out", help="directory for validate.json, validate.md and validate.png")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(run=run_validate, knobs_default="process_count=2,threads_per_process=1,max_batch_size=16,batch_timeout=0.005")
+
 
 def _sim_arguments(parser) -> None:
-    parser.add_argument("--knobs", default="", help="starting knobs, e.g. process_count=2,max_batch_size=8,batch_timeout=0.005")
+    parser.add_argument("--knobs", default=None, help="starting knobs, e.g. process_count=2,max_batch_size=8,batch_timeout=0.005")
     parser.add_argument("--cores", type=int, default=None, help="cores the workers share (default: this machine's)")
     parser.add_argument("--max-inflight-batches", type=int, default=2)
     parser.add_argument("--startup-seconds", type=float, default=1.0)
@@ -63,22 +80,16 @@ def _sim_arguments(parser) -> None:
     parser.add_argument("--cooldown", type=float, default=4.0, help="controller cooldown (autotune.cooldown_seconds)")
 
 
-def parse_knobs(text: str, base: Knobs = Knobs()) -> Knobs:
-    changes = {}
-    for part in filter(None, text.split(",")):
-        name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in Knobs.__dataclass_fields__:
-            raise ValueError(f"--knobs: unknown knob {name!r}; one of {', '.join(Knobs.__dataclass_fields__)}")
-        changes[name] = float(value) if name == "batch_timeout" else int(value)
-    return base.replace(**changes)
-
-
-def sim_config(args, slo: float, knobs: Knobs | None = None, **extra):
+def sim_config(args, slo: float, knobs: Knobs | None = None, serving: dict | None = None, **extra):
+    """The simulated server from the command line; per-request serving costs from the cost model."""
     from autotune.simulator import SimConfig
 
+    serving = serving or {}
     return SimConfig(
-        knobs=knobs if knobs is not None else parse_knobs(args.knobs),
+        request_overhead_seconds=float(serving.get("request_overhead_seconds", 0.0)),
+        front_cpu_seconds_per_request=float(serving.get("front_cpu_seconds_per_request", 0.0)),
+        model_time_factor=float(serving.get("model_time_factor", 1.0)),
+        knobs=knobs if knobs is not None else parse_knobs(args.knobs or getattr(args, "knobs_default", "")),
         cores=args.cores or len(os.sched_getaffinity(0)),
         slo_seconds=slo,
         max_inflight_batches=args.max_inflight_batches,
@@ -130,7 +141,7 @@ def run_profile(args) -> int:
     plot(model, png)
     fit = model.fit
     say(f"cost model: {args.out} (+ {png})")
-    say(f"  t = (a + b·B·L + c·B·L²)/speedup(threads) × contention + o·oversubscription")
+    say("  t = (a + b·B·L + c·B·L²)/speedup(threads) × contention + o·oversubscription")
     say("  " + ", ".join(f"{n}={v:.4g}" for n, v in zip("abcfsko", model.coefficients())))
     say(f"  {len(model.points)} points, {fit['heldout_points']} held out: held-out MAPE {fit['heldout_mape']:.1%}, max {fit['heldout_max_ape']:.1%} (train {fit['train_mape']:.1%})")
     emit({"cost_model": args.out, "png": png, "fit": fit, "coefficients": model.to_json()["coefficients"], "machine": model.machine}, args.json)
@@ -147,9 +158,10 @@ def run_simulate(args) -> int:
 
     arrivals = load_workload(args.workload)
     policy = load_policy(args.policy)
-    config = sim_config(args, args.slo)
+    cost_model = load_cost_model(args.cost_model)
+    config = sim_config(args, args.slo, serving=cost_model.serving)
     started = time.perf_counter()
-    result = simulate(arrivals, load_cost_model(args.cost_model), config, policy)
+    result = simulate(arrivals, cost_model, config, policy)
     wall = time.perf_counter() - started
     summary = {"workload": args.workload, "policy": args.policy, "cost_model": args.cost_model, "wall_seconds": round(wall, 3), **result.summary()}
     _report_simulation(summary)
@@ -176,7 +188,17 @@ def _report_simulation(s: dict) -> None:
 
 def run_tune(args) -> int:
     from autotune.costmodel import load_cost_model
-    from autotune.tuner import DEFAULT_STATIC_GRID, Problem, get_path, oracle, progress_bar, static_grid, tune_policy, write_knobs, write_policy
+    from autotune.tuner import (
+        DEFAULT_STATIC_GRID,
+        Problem,
+        get_path,
+        oracle,
+        progress_bar,
+        static_grid,
+        tune_policy,
+        write_knobs,
+        write_policy,
+    )
 
     with open(args.config, encoding="utf-8") as f:
         config = yaml.safe_load(f) or {}
@@ -193,11 +215,12 @@ def run_tune(args) -> int:
             raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k != 'knobs')}")
         setattr(defaults, key, value)
     knobs = Knobs(**config.get("knobs", {}))
+    cost_model = load_cost_model(config.get("cost_model", DEFAULT_COST_MODEL))
     problem = Problem(
         spec=spec,
         workloads=[load_workload(w) for w in config.get("workloads", [])],
-        cost_model=load_cost_model(config.get("cost_model", DEFAULT_COST_MODEL)),
-        sim=sim_config(defaults, float(config.get("slo_seconds", 0.5)), knobs),
+        cost_model=cost_model,
+        sim=sim_config(defaults, float(config.get("slo_seconds", 0.5)), knobs, serving=cost_model.serving),
         objective=objective,
         space=search.get("params", {}) or {},
     )
@@ -239,3 +262,47 @@ def _report_tune(r: dict) -> None:
         say(f"  parameters: {r['params']}")
     say(f"  best static (oracle): {o['score']:.4g} with {o['knobs']}")
     say(f"    goodput {o['metrics']['goodput']:.3f}/s, attainment {o['metrics']['slo_attainment']:.1%}, p99 {o['metrics']['p99']:.3f} s")
+
+
+# ---- validate ------------------------------------------------------------------------------
+
+
+def run_validate(args) -> int:
+    import dataclasses
+
+    from autotune.costmodel import load_cost_model
+    from autotune.validate import calibrate, plot, table, validate
+    from autotune.workloads import poisson
+
+    try:
+        cost_model = load_cost_model(args.cost_model)
+        config = sim_config(args, args.slo, serving=cost_model.serving)
+        low, _, high = args.length.partition("-")
+        length = (int(low), int(high)) if high else int(low)
+        if args.workload:
+            workloads = [(spec, load_workload(spec)) for spec in args.workload]
+        else:
+            rates = [float(r) for r in args.rates.split(",")]
+            workloads = [(f"poisson {r:g}/s", poisson(r, args.seconds, length, seed=i)) for i, r in enumerate(rates)]
+    except (ValueError, OSError) as exc:
+        print(f"selftune validate: {exc}", file=sys.stderr)
+        return 2
+    if args.calibrate:
+        serving = calibrate(config.knobs, args.model, poisson(30.0, 15.0, length, seed=99), cost_model, config.cores, say)
+        cost_model = dataclasses.replace(cost_model, serving=serving)
+        cost_model.save(args.cost_model)
+        say(f"wrote the serving costs into {args.cost_model}")
+        config = sim_config(args, args.slo, serving=serving)
+    rows = validate(workloads, config.knobs, args.policy, cost_model, config, args.model, args.slo, say)
+    text = table(rows)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "validate.json"), "w", encoding="utf-8") as f:
+            json.dump({"knobs": config.knobs.as_dict(), "policy": args.policy, "cost_model": args.cost_model, "serving": cost_model.serving, "rows": rows}, f, indent=1, default=_jsonable)
+        with open(os.path.join(args.out, "validate.md"), "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        plot(rows, os.path.join(args.out, "validate.png"))
+        say(f"wrote {args.out}/validate.json, validate.md and validate.png")
+    emit({"knobs": config.knobs.as_dict(), "policy": args.policy, "rows": rows}, args.json)
+    return 0

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autotune.costmodel import CostModel
 from autotune.controller import ControllerConfig, DecisionLoop
+from autotune.costmodel import CostModel
 from autotune.guardrails import MachineLimits
 from engine.batcher import Batch, Item
 from engine.config import Bounds, Knobs
@@ -60,6 +60,17 @@ class SimConfig:
     """autotune.cooldown_seconds: wait after a change before the next decision."""
     allow_oversubscription: bool = False
     pinned: frozenset = frozenset()
+    request_overhead_seconds: float = 0.0
+    """Latency each request spends outside the workers (HTTP, tokenizing, hand-offs, response)."""
+    front_cpu_seconds_per_request: float = 0.0
+    """CPU each request costs outside the workers (front process, a local client): at the
+    current arrival rate it takes that share of the cores away from them."""
+    model_time_factor: float = 1.0
+    """A serving worker's batch time over the cost model's (measured by `validate --calibrate`)."""
+
+
+RATE_SECONDS = 1.0
+"""Time constant of the arrival-rate average that sets the front process's share of the cores."""
 
 
 @dataclass(slots=True)
@@ -173,6 +184,7 @@ class SimResult:
             "rejected": int(self.rejected.sum()),
             "duration_seconds": round(duration, 3),
             "throughput": len(finished) / duration,
+            "throughput_in_window": float(np.sum(self.done[ok] <= duration)) / duration,
             "goodput": good / duration,
             "slo_seconds": slo,
             "slo_attainment": good / len(self.arrival) if len(self.arrival) else 1.0,
@@ -224,6 +236,8 @@ class Simulation:
         self.knob_changes: list[tuple[float, Knobs]] = [(0.0, config.knobs)]
         self.core_seconds = 0.0
         self._last_t = 0.0
+        self._rate = 0.0
+        self._rate_at = 0.0
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -281,6 +295,8 @@ class Simulation:
     # ---- requests --------------------------------------------------------------------------
 
     def _on_arrival(self, i: int, now: float) -> None:
+        self._rate = self._arrival_rate(now) + 1.0 / RATE_SECONDS
+        self._rate_at = now
         if self.pending >= self.config.max_queued_requests:
             self.rejected[i] = True
             self.counters["rejected"] += 1
@@ -313,7 +329,19 @@ class Simulation:
         self._busy += 1
         k = self.knobs
         seconds = self.cost.service_time(len(batch.items), batch.padded_length, k.threads_per_process, self._busy, self.config.cores)
+        seconds *= self._front_slowdown(now) * self.config.model_time_factor
         self._push(now + seconds, DONE, (worker.worker_id, batch, seconds))
+
+    def _arrival_rate(self, now: float) -> float:
+        """Arrivals per second, exponentially averaged over RATE_SECONDS."""
+        return self._rate * math.exp(-(now - self._rate_at) / RATE_SECONDS)
+
+    def _front_slowdown(self, now: float) -> float:
+        """Busy worker threads share what the front process leaves of the cores."""
+        cores = self.config.cores
+        front = min(cores - 0.5, self._arrival_rate(now) * self.config.front_cpu_seconds_per_request)
+        threads = min(cores, self._busy * self.knobs.threads_per_process)
+        return max(1.0, threads / (cores - front))
 
     def _on_done(self, worker_id: int, batch: Batch, seconds: float, now: float) -> None:
         worker = self.workers[worker_id]
@@ -321,13 +349,14 @@ class Simulation:
         worker.busy_seconds += seconds
         self._busy -= 1
         self.scheduler.router.complete(worker_id, batch.batch_id)
+        answered = now + self.config.request_overhead_seconds
         for item in batch.items:
             r = item.request_id
-            self.done[r] = now
+            self.done[r] = answered
             self.pending -= 1
             self.counters["completed"] += 1
             if self.sampler is not None:
-                self.sampler.completed(now, now - item.arrival, self.dispatched[r] - item.arrival, seconds)
+                self.sampler.completed(now, answered - item.arrival, self.dispatched[r] - item.arrival, seconds)
         if worker.queue:
             self._start(worker, now)
 
@@ -381,54 +410,6 @@ def simulate(arrivals, cost_model: CostModel, config: SimConfig = SimConfig(), p
 
 def plot_timeline(result: SimResult, path: str, bins: int = 300) -> None:
     """Latency percentiles and load over time, with the knobs beneath (one PNG)."""
-    import matplotlib
+    from autotune.plots import timeline
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = ~result.rejected
-    end = max(result.end_time, 1e-9)
-    edges = np.linspace(0.0, end, bins + 1)
-    mids = (edges[:-1] + edges[1:]) / 2
-    width = edges[1] - edges[0]
-    which = np.clip(np.searchsorted(edges, result.done[ok], side="right") - 1, 0, bins - 1)
-    latency = (result.done - result.arrival)[ok]
-    p50, p99 = np.full(bins, np.nan), np.full(bins, np.nan)
-    order = np.argsort(which, kind="stable")
-    groups = np.split(latency[order], np.cumsum(np.bincount(which, minlength=bins))[:-1])
-    for b, values in enumerate(groups):
-        if len(values):
-            p50[b], p99[b] = np.percentile(values, (50, 99))
-    arrivals = np.histogram(result.arrival, edges)[0] / width
-    completions = np.bincount(which, minlength=bins) / width
-    times = [t for t, _ in result.knob_changes] + [end]
-    knobs = [k for _, k in result.knob_changes]
-    knobs.append(knobs[-1])
-
-    fig, axes = plt.subplots(4, 1, figsize=(10, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.3, 1.3]})
-    ax = axes[0]
-    ax.plot(mids, p50, lw=0.8, label="p50")
-    ax.plot(mids, p99, lw=0.8, label="p99")
-    ax.axhline(result.config.slo_seconds, color="k", ls="--", lw=0.8, label="SLO")
-    ax.set_yscale("log")
-    ax.set_ylabel("latency (s)")
-    ax.legend(fontsize=8, loc="upper right")
-    axes[1].plot(mids, arrivals, lw=0.8, label="arrivals/s")
-    axes[1].plot(mids, completions, lw=0.8, label="completions/s")
-    axes[1].set_ylabel("req/s")
-    axes[1].legend(fontsize=8, loc="upper right")
-    axes[2].step(times, [k.process_count for k in knobs], where="post", label="process_count")
-    axes[2].step(times, [k.threads_per_process for k in knobs], where="post", label="threads_per_process")
-    axes[2].set_ylabel("workers")
-    axes[2].legend(fontsize=8, loc="upper right")
-    axes[3].step(times, [k.max_batch_size for k in knobs], where="post", label="max_batch_size")
-    axes[3].set_ylabel("max batch")
-    twin = axes[3].twinx()
-    twin.step(times, [k.batch_timeout * 1000 for k in knobs], where="post", color="C1", label="batch_timeout (ms)")
-    twin.set_ylabel("timeout ms")
-    axes[3].legend(fontsize=8, loc="upper left")
-    twin.legend(fontsize=8, loc="upper right")
-    axes[3].set_xlabel("simulated seconds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    timeline(result.arrival, result.done, ~result.rejected, result.knob_changes, result.config.slo_seconds, path, "simulated seconds", bins, result.end_time)

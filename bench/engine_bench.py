@@ -28,15 +28,16 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
-import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from autotune.bench.inputs import texts_of_tokens  # noqa: E402
+from autotune.bench.limit import _child_setup, _load_runner, run_layout  # noqa: E402
+from autotune.bench.machine import LoadMonitor, machine_info  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TARGET_TOKENS = 16
@@ -50,121 +51,7 @@ def log(msg: str) -> None:
 
 # ---- inputs -------------------------------------------------------------------------------
 
-_WORDS = (
-    "the a small large quick slow red blue green old new good bad first last long short high low "
-    "city river house garden market school train window table water light music paper street "
-    "road bridge forest mountain village ocean island family friend teacher doctor student "
-    "runs walks reads writes builds opens closes finds keeps makes takes gives sees hears "
-    "today always never often early later near under over after before with without from into"
-).split()
-
-
-def make_texts(tokenizer, n: int = 512, tokens: int = TARGET_TOKENS, seed: int = 0) -> list[str]:
-    """`n` distinct sentences that tokenize to exactly `tokens` ids (with [CLS]/[SEP])."""
-    rng = random.Random(seed)
-    texts: list[str] = []
-    seen: set[str] = set()
-    while len(texts) < n:
-        words = rng.choices(_WORDS, k=tokens - 2)
-        text = " ".join(words).capitalize() + "."
-        if text in seen:
-            continue
-        if len(tokenizer(text)["input_ids"]) == tokens:
-            texts.append(text)
-            seen.add(text)
-        else:  # drop the final period if that is what overshoots
-            text = text[:-1]
-            if text not in seen and len(tokenizer(text)["input_ids"]) == tokens:
-                texts.append(text)
-                seen.add(text)
-    return texts
-
-
 # ---- (a) in-process limit: runs in spawned children ---------------------------------------
-
-
-def _child_setup(threads: int):
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["MKL_NUM_THREADS"] = str(threads)
-    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
-    import torch
-
-    torch.set_num_threads(threads)
-    return torch
-
-
-def _load_runner(path: str):
-    import numpy as np
-    import torch
-
-    from engine.embedding import EmbeddingRunner
-    from engine.loading import load_model, load_tokenizer
-
-    model = load_model(path, "embed", torch.float32)
-    tokenizer = load_tokenizer(path)
-    runner = EmbeddingRunner(model, "cpu")
-    hidden = model.config.hidden_size
-
-    def embed(texts: list[str]):
-        enc = tokenizer(texts, padding=True, return_tensors="np")
-        ids = enc["input_ids"].astype(np.int32, copy=False)
-        lengths = tuple(int(x) for x in enc["attention_mask"].sum(axis=1))
-        out = np.empty((len(texts), hidden), dtype=np.float32)
-        runner.run(ids, lengths, out)
-        return out, ids, lengths
-
-    return embed, runner, hidden
-
-
-def _limit_child(path, threads, texts, batch_sizes, duration, barrier, results, rank):
-    """One process of a layout: per batch size, warm up, meet the others, run `duration` s."""
-    try:
-        _child_setup(threads)
-        embed, _, _ = _load_runner(path)
-        embed(texts[:2])
-        out = {}
-        cursor = 0
-        for bs in batch_sizes:
-            warm_until = time.perf_counter() + min(0.5, duration / 3)
-            while time.perf_counter() < warm_until:
-                embed(texts[cursor : cursor + bs] or texts[:bs])
-                cursor = (cursor + bs) % (len(texts) - bs)
-            barrier.wait(timeout=120)
-            done = 0
-            started = time.perf_counter()
-            end = started + duration
-            while True:
-                embed(texts[cursor : cursor + bs])
-                cursor = (cursor + bs) % (len(texts) - bs)
-                done += bs
-                now = time.perf_counter()
-                if now >= end:
-                    break
-            out[bs] = (done, now - started)
-        results.put((rank, out))
-    except BaseException as exc:  # report, never hang the parent
-        results.put((rank, {"error": repr(exc)}))
-
-
-def run_layout(ctx, path, processes, threads, texts, batch_sizes, duration) -> dict[int, float]:
-    """Sentences/s per batch size for `processes` concurrent processes x `threads` threads."""
-    barrier = ctx.Barrier(processes)
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_limit_child, args=(path, threads, texts, batch_sizes, duration, barrier, results, r))
-        for r in range(processes)
-    ]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in procs:
-        rank, out = results.get(timeout=600)
-        if "error" in out:
-            raise RuntimeError(f"limit child {rank} failed: {out['error']}")
-        got[rank] = out
-    for p in procs:
-        p.join()
-    return {bs: sum(got[r][bs][0] / got[r][bs][1] for r in got) for bs in batch_sizes}
 
 
 def _bare_latency_child(path, text, repeats, results):
@@ -207,77 +94,6 @@ def bare_latency(ctx, path, text, repeats) -> dict:
     if "error" in out:
         raise RuntimeError(out["error"])
     return out
-
-
-# ---- other load on the machine -----------------------------------------------------------
-
-
-class LoadMonitor:
-    """Samples, every `interval` s, how many cores processes outside this benchmark's tree use.
-
-    Busy CPU of the whole machine (/proc/stat) minus the CPU of this process and all its
-    descendants; `foreign(t0, t1)` is the mean over a window. Other people's tests on a shared
-    machine show up here, and the benchmark waits for quiet before each measurement.
-    """
-
-    def __init__(self, interval: float = 0.5):
-        import psutil
-
-        self._psutil = psutil
-        self.interval = interval
-        self.samples: list[tuple[float, float]] = []  # (time, foreign cores over the last interval)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-loadmon", daemon=True)
-        self._thread.start()
-
-    def _ours(self) -> dict[int, float]:
-        me = self._psutil.Process()
-        out = {}
-        for p in [me, *me.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-                out[p.pid] = t.user + t.system + t.children_user + t.children_system
-            except self._psutil.Error:
-                pass
-        return out
-
-    def _busy(self) -> float:
-        t = self._psutil.cpu_times()
-        return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
-
-    def _run(self) -> None:
-        prev_t, prev_busy, prev_ours = time.monotonic(), self._busy(), self._ours()
-        while not self._stop.wait(self.interval):
-            now, busy, ours = time.monotonic(), self._busy(), self._ours()
-            mine = sum(max(0.0, v - prev_ours[pid]) for pid, v in ours.items() if pid in prev_ours)
-            mine += sum(v for pid, v in ours.items() if pid not in prev_ours)
-            foreign = max(0.0, (busy - prev_busy) - mine) / (now - prev_t)
-            self.samples.append((now, foreign))
-            prev_t, prev_busy, prev_ours = now, busy, ours
-
-    def foreign(self, t0: float, t1: float) -> float:
-        window = [f for (t, f) in self.samples if t0 < t <= t1 + self.interval / 2]
-        return statistics.fmean(window) if window else float("nan")
-
-    def wait_quiet(self, threshold: float = 0.15, quiet_for: float = 2.0, max_wait: float = 60.0) -> float:
-        """Wait until others use < `threshold` cores for `quiet_for` s; returns seconds waited."""
-        started = time.monotonic()
-        warned = False
-        while time.monotonic() - started < max_wait:
-            now = time.monotonic()
-            recent = [f for (t, f) in self.samples if t > now - quiet_for]
-            if len(recent) >= max(1, int(quiet_for / self.interval) - 1) and max(recent) < threshold:
-                return now - started
-            if not warned and now - started > 1.0:
-                log(f"  waiting for other processes to go quiet (now {recent[-1] if recent else float('nan'):.2f} cores busy)")
-                warned = True
-            time.sleep(self.interval)
-        log(f"  machine still busy after {max_wait:.0f}s; measuring anyway (see the 'other load' column)")
-        return time.monotonic() - started
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # ---- engine helpers -------------------------------------------------------------------------
@@ -402,37 +218,6 @@ def pss_report(eng) -> dict[str, float]:
 # ---- the benchmark ----------------------------------------------------------------------------
 
 
-def machine_info() -> dict:
-    import importlib.metadata as md
-
-    import psutil
-
-    cpu = "unknown"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except Exception:
-        pass
-
-    def version(pkg):
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return "not installed"
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "kernel": platform.release(),
-    }
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="builtin:minilm")
@@ -459,13 +244,13 @@ def main(argv=None) -> int:
     log(f"machine: {info}")
     source = resolve_model(args.model, EngineConfig().cache_dir)
     tokenizer = load_tokenizer(source.path)
-    texts = make_texts(tokenizer)
+    texts = texts_of_tokens(tokenizer, tokens=TARGET_TOKENS)
     n_tokens = len(tokenizer(texts[0])["input_ids"])
     log(f"model {source.name} at {source.path}; {len(texts)} inputs of {n_tokens} tokens each")
     ctx = mp.get_context("spawn")
     result: dict = {"machine": info, "model": source.name, "input_tokens": n_tokens, "quick": quick}
     cores = os.cpu_count() or 1
-    mon = LoadMonitor()
+    mon = LoadMonitor(say=log)
 
     def quiet():
         if not args.no_wait:

@@ -4,10 +4,19 @@ Clipper's batch-size controller (Crankshaw et al., NSDI 2017), fed with the samp
 
 - not enough requests finished in the window (fewer than `min_requests` at `stage`): hold;
 - p99 > SLO: max_batch_size × decrease_factor (down by at least 1); optionally halve
-  batch_timeout too, so a partly filled batch does not wait while latency is already over;
+  batch_timeout too, so a partly filled batch does not wait while latency is already over.
+  With `model_budget_fraction` set, only when the batch itself is what is slow (model-stage
+  p99 > that share of the SLO), and then at least in proportion to the overshoot (size ×
+  share × SLO / model p99), so a batch far too slow is cut at once. Otherwise the time goes
+  to queueing, the workers lack throughput, and a smaller batch would only lower it further (Clipper's rule assumes the
+  batch time dominates): then full batches grow (by `additive_step`, or × `queueing_growth_factor`
+  when that is more), and partly full ones hold;
 - p99 within the SLO and batches full enough that the size limit binds (mean batch size
   >= fill_threshold × max_batch_size): max_batch_size + additive_step;
 - otherwise hold: a larger limit would not make the batches any larger.
+With `min_efficiency_gain`, a growth that did not raise the items per model-second by that
+share is undone and its size becomes a ceiling for `ceiling_seconds` (inputs of mixed lengths
+pad to the longest, so past some size a larger batch is slower per item).
 
 After every change the policy waits `cooldown_seconds` (by default one sampler window), so the
 next decision reads latencies measured under the new batch size, not the old one.
@@ -45,6 +54,19 @@ class AimdParams(Params):
     increase_below: float = Field(1.0, gt=0, le=1)
     """Grow only while p99 <= increase_below × SLO. 1.0 is Clipper's rule (grow up to the SLO,
     so the sawtooth's peaks touch it); below 1 keeps the peaks under the SLO."""
+    model_budget_fraction: float | None = Field(None, gt=0, le=1)
+    """Over the SLO, shrink only when the model stage's p99 exceeds this share of the SLO; when
+    queueing is what breaks it, grow full batches instead. None: always shrink (Clipper)."""
+    queueing_growth_factor: float = Field(1.0, ge=1)
+    """When queueing breaks the SLO and batches are full, grow to max(size + additive_step,
+    size × this): a backlog wants throughput now, not one step per cooldown (TCP's slow start)."""
+    min_efficiency_gain: float | None = Field(None, ge=0)
+    """Grow only while it pays: after a growth, if the items per model-second (mean batch size /
+    mean model time) did not rise by this share, go back to the previous size and stay at or
+    below it for `ceiling_seconds`. Padding makes larger batches of mixed-length inputs slower
+    per item past some size. None: always grow (Clipper)."""
+    ceiling_seconds: float = Field(120.0, gt=0)
+    """How long a size where growing did not pay stays the ceiling (then it is tried again)."""
 
 
 class AimdPolicy:
@@ -56,6 +78,10 @@ class AimdPolicy:
         self.params = params
         self.name = self.kind
         self._last_change: float | None = None
+        self._grown_from: tuple[int, float] | None = None
+        """(size, items per model-second there) before the last growth, to judge whether it paid."""
+        self._ceiling: tuple[int, float] | None = None
+        """(size, until when): a size above which growing did not pay, for a while."""
 
     def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
         p = self.params
@@ -69,19 +95,28 @@ class AimdPolicy:
             return Decision(knobs, f"{count} {p.stage} latencies in the window (< {p.min_requests}): max_batch_size stays {size}")
 
         if latency.p99 > p.slo_p99_seconds:
-            proposal = self._decrease(knobs, bounds)
             why = f"{p.stage} p99 {latency.p99:.3f} s > SLO {p.slo_p99_seconds:.3f} s"
+            queueing = self._queueing_why(observation)
+            if queueing is None:
+                proposal = self._decrease(observation, knobs, bounds)
+                if proposal == knobs:
+                    why += ": at the bound"
+            elif observation.load.batch_size >= p.fill_threshold * size:
+                why = f"{why}, {queueing}, batches full ({observation.load.batch_size:.1f} >= {p.fill_threshold:.2f} × {size})"
+                proposal, why = self._grow(observation, knobs, bounds, why, factor=p.queueing_growth_factor)
+            else:
+                return Decision(knobs, f"{why}, {queueing}, batches not full: max_batch_size stays {size}")
         elif latency.p99 > p.increase_below * p.slo_p99_seconds:
             return Decision(
                 knobs,
                 f"{p.stage} p99 {latency.p99:.3f} s within the SLO but above {p.increase_below:g} × SLO: max_batch_size stays {size}",
             )
         elif observation.load.batch_size >= p.fill_threshold * size:
-            proposal = knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", size + p.additive_step))
             why = (
                 f"{p.stage} p99 {latency.p99:.3f} s <= SLO {p.slo_p99_seconds:.3f} s and batches full "
                 f"({observation.load.batch_size:.1f} >= {p.fill_threshold:.2f} × {size})"
             )
+            proposal, why = self._grow(observation, knobs, bounds, why)
         else:
             return Decision(
                 knobs,
@@ -90,14 +125,55 @@ class AimdPolicy:
             )
         changes = describe_changes(knobs, proposal)
         if not changes:
-            return Decision(knobs, f"{why}: at the bound, max_batch_size stays {size}")
+            return Decision(knobs, f"{why}: max_batch_size stays {size}")
         self._last_change = now
         return Decision(proposal, f"{why}: {changes}")
 
-    def _decrease(self, knobs: Knobs, bounds: Bounds) -> Knobs:
+    def _grow(self, observation: Observation, knobs: Knobs, bounds: Bounds, why: str, factor: float = 1.0) -> tuple[Knobs, str]:
+        """max_batch_size + additive_step (or × factor when that is more), unless the last
+        growth did not pay (see min_efficiency_gain)."""
+        p = self.params
+        size = knobs.max_batch_size
+        grown = max(size + p.additive_step, math.ceil(size * factor))
+        bigger = knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", grown))
+        if bigger.max_batch_size == size:
+            return knobs, f"{why}: at the bound"
+        if p.min_efficiency_gain is None:
+            return bigger, why
+        now = observation.time
+        model = observation.load.latency.get("model")
+        if model is None or not model.mean or observation.load.batch_size <= 0:
+            return bigger, why
+        efficiency = observation.load.batch_size / model.mean
+        grown_from, self._grown_from = self._grown_from, None
+        if grown_from is not None and grown_from[0] < size and efficiency < grown_from[1] * (1 + p.min_efficiency_gain):
+            self._ceiling = (grown_from[0], now + p.ceiling_seconds)
+            back = knobs.replace(max_batch_size=grown_from[0])
+            return back, (f"{why}, but {efficiency:.0f} items per model-second at {size} vs {grown_from[1]:.0f} at {grown_from[0]}: "
+                          f"growing did not pay (< +{p.min_efficiency_gain:.0%}); back, and no higher for {p.ceiling_seconds:g} s")
+        if self._ceiling is not None and now < self._ceiling[1] and bigger.max_batch_size > self._ceiling[0]:
+            return knobs, f"{why}, but {self._ceiling[0]} is the ceiling for {self._ceiling[1] - now:.0f} s more (larger batches did not pay)"
+        self._grown_from = (size, efficiency)
+        return bigger, f"{why} ({efficiency:.0f} items per model-second)"
+
+    def _queueing_why(self, observation: Observation) -> str | None:
+        """Why the time over the SLO is queueing rather than batch time; None when it is not."""
+        share = self.params.model_budget_fraction
+        if share is None:
+            return None
+        model = observation.load.latency.get("model")
+        if model is None or model.p99 is None or model.p99 > share * self.params.slo_p99_seconds:
+            return None
+        return f"model p99 {model.p99:.3f} s <= {share:g} × SLO (queueing)"
+
+    def _decrease(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Knobs:
         p = self.params
         size = knobs.max_batch_size
         smaller = math.floor(size * p.decrease_factor)  # < size for any factor < 1: always down by >= 1
+        model = observation.load.latency.get("model")
+        if p.model_budget_fraction is not None and model is not None and model.p99:
+            # the batch alone overshoots its share of the SLO: shrink in proportion, at once
+            smaller = min(smaller, math.floor(size * p.model_budget_fraction * p.slo_p99_seconds / model.p99))
         proposal = knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", smaller))
         if p.halve_timeout_over_slo:
             proposal = proposal.replace(batch_timeout=clamp_knob(bounds, "batch_timeout", knobs.batch_timeout / 2))

@@ -15,8 +15,12 @@ Each decision:
    the current count counts as a recommendation too, so it never scales down on less.
 4. step limits: at most `max_step_up` workers added and `max_step_down` removed per decision.
 5. bounds: the result is clamped to the effective range of process_count.
+6. with `spread_threads`, threads_per_process = the most threads the bounds allow (on CPU: the
+   usable cores) divided by the new process_count, so the workers together use every core:
+   one worker at low load gets all of them (lower latency per batch), scaling out takes
+   threads away (processes of one thread each are what a small model's throughput wants).
 
-Only process_count changes; the other knobs pass through.
+Only process_count (and with `spread_threads` threads_per_process) changes; the rest passes through.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class ThresholdParams(Params):
     """Most workers removed by one decision."""
     min_ready_workers: int = Field(1, ge=1)
     """Observations with fewer ready workers carry no usable metric and are ignored (hold)."""
+    spread_threads: bool = False
+    """Also set threads_per_process to spread the allowed threads over the workers (step 6)."""
 
 
 class ThresholdPolicy:
@@ -82,7 +88,14 @@ class ThresholdPolicy:
         stabilized, held_by = self._stabilize(now, current, desired)
         new = self._limit_step(current, stabilized)
         new = clamp_knob(bounds, "process_count", new)
-        return Decision(knobs.replace(process_count=new), self._reason(comparison, current, desired, new, held_by))
+        proposal = knobs.replace(process_count=new)
+        reason = self._reason(comparison, current, desired, new, held_by)
+        if p.spread_threads:
+            threads = clamp_knob(bounds, "threads_per_process", bounds.threads_per_process[1] // new)
+            if threads != knobs.threads_per_process:
+                reason += f"; threads_per_process {knobs.threads_per_process} -> {threads} ({bounds.threads_per_process[1]} threads over {new} workers)"
+            proposal = proposal.replace(threads_per_process=threads)
+        return Decision(proposal, reason)
 
     def _metric(self, observation: Observation, ready: int) -> float:
         if self.params.metric == "busy_fraction":

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 import yaml
-from server_process import ServerProcess
+from autotune.bench.server import ServerProcess
 
 from autotune.loadgen import open_loop
 

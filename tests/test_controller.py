@@ -46,7 +46,9 @@ def test_memory_budget_caps_workers_and_bounds_follow_the_machine():
     knobs, notes = constrain(Knobs(process_count=8), Knobs(process_count=2), BOUNDS, limits, set())
     assert knobs.process_count == 3 and any("memory" in n for n in notes)
     narrowed = effective_bounds(BOUNDS, TWO_CORES, Knobs(threads_per_process=2))
-    assert narrowed.process_count == (1, 1) and narrowed.threads_per_process == (1, 2)
+    assert narrowed.process_count == (1, 2) and narrowed.threads_per_process == (1, 2)  # threads give way
+    pinned = effective_bounds(BOUNDS, TWO_CORES, Knobs(threads_per_process=2), {"threads_per_process"})
+    assert pinned.process_count == (1, 1)
 
 
 # ---- the loop, on a real engine ----------------------------------------------------------------

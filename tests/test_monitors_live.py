@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess
+from autotune.bench.server import ServerProcess
 
 MODEL = "all-MiniLM-L6-v2"
 

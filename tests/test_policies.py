@@ -189,6 +189,18 @@ def test_threshold_scale_up_stabilization_takes_the_min_over_the_window():
     assert policy.decide(obs(11, busy=0.95, workers=2), knobs, BOUNDS).knobs.process_count == 3
 
 
+def test_threshold_spreads_the_allowed_threads_over_the_workers():
+    two_cores = Bounds(process_count=(1, 2), threads_per_process=(1, 2))
+    policy = threshold(target=0.75, spread_threads=True, scale_down_stabilization_seconds=0)
+    up = policy.decide(obs(0, busy=0.95, workers=1), Knobs(process_count=1, threads_per_process=2), two_cores)
+    assert (up.knobs.process_count, up.knobs.threads_per_process) == (2, 1)
+    assert "threads_per_process 2 -> 1" in up.reason
+    down = policy.decide(obs(1, busy=0.1, workers=2), up.knobs, two_cores)
+    assert (down.knobs.process_count, down.knobs.threads_per_process) == (1, 2)
+    plain = threshold(target=0.75).decide(obs(0, busy=0.95, workers=1), Knobs(process_count=1, threads_per_process=2), two_cores)
+    assert plain.knobs.threads_per_process == 2
+
+
 # -- aimd ---------------------------------------------------------------------------------------
 
 
@@ -241,6 +253,47 @@ def test_aimd_can_halve_batch_timeout_over_slo():
     knobs = Knobs(max_batch_size=16, batch_timeout=0.01)
     assert aimd().decide(obs(0, p99=0.8), knobs, BOUNDS).knobs.batch_timeout == 0.01
     assert aimd(halve_timeout_over_slo=True).decide(obs(0, p99=0.8), knobs, BOUNDS).knobs.batch_timeout == 0.005
+
+
+def test_aimd_with_a_model_budget_grows_full_batches_when_queueing_breaks_the_slo():
+    policy = aimd(model_budget_fraction=0.5, cooldown_seconds=0, additive_step=2)
+    queueing = policy.decide(obs(0, p99=2.0, model_mean=0.05, batch_size=1.0), Knobs(max_batch_size=1), BOUNDS)
+    assert queueing.knobs.max_batch_size == 3
+    assert "(queueing)" in queueing.reason and "batches full" in queueing.reason
+    not_full = policy.decide(obs(1, p99=2.0, model_mean=0.05, batch_size=4.0), Knobs(max_batch_size=16), BOUNDS)
+    assert not_full.knobs.max_batch_size == 16 and "batches not full" in not_full.reason
+    slow_batch = policy.decide(obs(2, p99=2.0, model_mean=0.3, batch_size=16.0), Knobs(max_batch_size=16), BOUNDS)
+    assert slow_batch.knobs.max_batch_size == 12  # the batch itself takes > 0.5 × SLO: shrink
+    far_too_slow = policy.decide(obs(2.5, p99=3.0, model_mean=2.0, batch_size=32.0), Knobs(max_batch_size=32), BOUNDS)
+    assert far_too_slow.knobs.max_batch_size == 4  # 32 × 0.25 s / 2 s: in proportion, not × 0.75
+    no_model_stage = policy.decide(obs(3, p99=2.0, batch_size=16.0), Knobs(max_batch_size=16), BOUNDS)
+    assert no_model_stage.knobs.max_batch_size == 12
+    doubling = aimd(model_budget_fraction=0.5, cooldown_seconds=0, queueing_growth_factor=2)
+    assert doubling.decide(obs(0, p99=2.0, model_mean=0.05, batch_size=8.0), Knobs(max_batch_size=8), BOUNDS).knobs.max_batch_size == 16
+    assert doubling.decide(obs(1, p99=0.3, batch_size=16.0), Knobs(max_batch_size=16), BOUNDS).knobs.max_batch_size == 18  # within the SLO: additive
+    clipper = aimd(cooldown_seconds=0).decide(obs(0, p99=2.0, model_mean=0.05, batch_size=1.0), Knobs(max_batch_size=4), BOUNDS)
+    assert clipper.knobs.max_batch_size == 3
+
+
+def test_aimd_undoes_a_growth_that_did_not_pay_and_keeps_a_ceiling():
+    policy = aimd(min_efficiency_gain=0.02, ceiling_seconds=100, cooldown_seconds=0, additive_step=4)
+    knobs = Knobs(max_batch_size=8)
+    # at 8: 8 items per 40 ms batch = 200 items per model-second; grows to 12
+    knobs = policy.decide(obs(0, p99=0.2, batch_size=8, model_mean=0.040), knobs, BOUNDS).knobs
+    assert knobs.max_batch_size == 12
+    # at 12: 12 items per 50 ms = 240/s, +20 %: it paid, grow to 16
+    knobs = policy.decide(obs(10, p99=0.2, batch_size=12, model_mean=0.050), knobs, BOUNDS).knobs
+    assert knobs.max_batch_size == 16
+    # at 16: 16 items per 70 ms = 229/s < 240: back to 12, which becomes the ceiling
+    decision = policy.decide(obs(20, p99=0.2, batch_size=16, model_mean=0.070), knobs, BOUNDS)
+    assert decision.knobs.max_batch_size == 12 and "did not pay" in decision.reason
+    held = policy.decide(obs(30, p99=0.2, batch_size=12, model_mean=0.050), decision.knobs, BOUNDS)
+    assert held.knobs.max_batch_size == 12 and "ceiling" in held.reason
+    # the ceiling expires: it tries again
+    assert policy.decide(obs(125, p99=0.2, batch_size=12, model_mean=0.050), held.knobs, BOUNDS).knobs.max_batch_size == 16
+    # without the check (Clipper's rule) it keeps growing
+    plain = aimd(cooldown_seconds=0, additive_step=4)
+    assert plain.decide(obs(0, p99=0.2, batch_size=16, model_mean=0.070), Knobs(max_batch_size=16), BOUNDS).knobs.max_batch_size == 20
 
 
 def test_aimd_uses_the_configured_stage():
@@ -519,7 +572,8 @@ def test_default_policy_is_threshold_aimd_slo():
     policy = load_policy(os.path.join(ROOT, "configs", "policies", "default.yaml"))
     assert policy.name == "composite(threshold+aimd+slo)"
     owned = {p.kind: knobs for p, knobs in policy.members}
-    assert owned == {"threshold": ("process_count",), "aimd": ("max_batch_size",), "slo": ("batch_timeout",)}
+    assert owned == {"threshold": ("process_count", "threads_per_process"), "aimd": ("max_batch_size",), "slo": ("batch_timeout",)}
+    assert policy.members[0][0].params.spread_threads and policy.members[1][0].params.model_budget_fraction == 0.5
     assert policy.members[0][0].params.target == 0.75
 
 

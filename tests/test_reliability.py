@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 from helpers import alive, wait_until
-from server_process import ServerProcess
+from autotune.bench.server import ServerProcess
 from test_autotune_live import run_steps
 
 MODEL = "all-MiniLM-L6-v2"

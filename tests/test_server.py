@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 from conftest import minilm_dir
-from server_process import ServerProcess
+from autotune.bench.server import ServerProcess
 
 from autotune.settings import ConfigError, load_config
 

@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from autotune.bench.server import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"

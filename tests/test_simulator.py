@@ -45,6 +45,20 @@ def test_md1_mean_wait_matches_the_formula(rho):
     assert not result.rejected.any()
 
 
+def test_serving_costs_outside_the_workers_add_latency_and_take_cores():
+    arrivals = poisson(50, 200, length=16, seed=1)
+    two = dict(knobs=Knobs(process_count=2, max_batch_size=1, batch_timeout=0.0), startup_seconds=0.0, cores=2)
+    base = simulate(arrivals, DeterministicCostModel(0.02), SimConfig(**two))
+    overhead = simulate(arrivals, DeterministicCostModel(0.02), SimConfig(**two, request_overhead_seconds=0.005))
+    ok = ~base.rejected
+    assert ((overhead.done - overhead.arrival)[ok] - (base.done - base.arrival)[ok]) == pytest.approx(0.005)
+    # 50/s × 10 ms of front CPU = half a core gone: both busy workers run at 2 / 1.5 of the time
+    front = simulate(arrivals, DeterministicCostModel(0.02), SimConfig(**two, front_cpu_seconds_per_request=0.01))
+    assert front.summary()["latency_seconds"]["p99"] > 1.2 * base.summary()["latency_seconds"]["p99"]
+    idle = simulate(poisson(0.5, 200, length=16, seed=1), DeterministicCostModel(0.02), SimConfig(**two, front_cpu_seconds_per_request=0.01))
+    assert (idle.done - idle.arrival).max() == pytest.approx(0.02, rel=0.01)  # one busy worker has a core of its own
+
+
 def reference_batches(arrivals, max_batch_size: int, timeout: float) -> list[tuple[tuple[int, ...], float]]:
     """engine.batcher.Batcher driven directly, as the live core does when a worker always has room:
     after each arrival, and whenever the next batch falls due, pop what is due."""
@@ -155,3 +169,21 @@ def test_tuned_policy_file_loads_unchanged(tmp_path):
     policy = load_policy(str(path))
     assert policy.kind == "threshold"
     assert math.isclose(policy.params.target, tuned["spec"]["target"])
+
+
+def test_simulate_cli_prints_json_last_and_writes_the_plot(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "simulate", "--workload", "step:schedule=5x20+60x20+5x20,length=16-64",
+         "--policy", "configs/policies/default.yaml", "--knobs", "process_count=1,max_batch_size=4", "--out", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["requests"] > 1000 and result["throughput"] > 0
+    assert result["knob_trajectory"][0]["max_batch_size"] == 4
+    assert (tmp_path / "simulation.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "simulation.json").read_text())["requests"] == result["requests"]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import yaml
 
 
@@ -21,7 +22,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, tmp_path: Path, config: dict, env: dict | None = None, ready_timeout: float = 180.0):
+    def __init__(self, tmp_path: Path | str, config: dict, env: dict | None = None, ready_timeout: float = 180.0):
+        tmp_path = Path(tmp_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = tmp_path / f"config-{self.port}.yaml"
@@ -50,6 +52,32 @@ class ServerProcess:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def processes(self) -> list[psutil.Process]:
+        """The front process and every process under it (zygote, workers)."""
+        front = psutil.Process(self.proc.pid)
+        return [front, *front.children(recursive=True)]
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) of every process of the server so far."""
+        total = 0.0
+        for p in self.processes():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def memory_bytes(self) -> int:
+        """Proportional set size summed over the server's processes: shared pages counted once."""
+        total = 0
+        for p in self.processes():
+            try:
+                total += p.memory_full_info().pss
+            except psutil.Error:
+                pass
+        return total
 
     def log(self) -> str:
         if not self._log.closed:

@@ -1,0 +1,261 @@
+"""`selftune bench`: multiprocess, multithread, hybrid, autotuned and oracle on the same load.
+
+    selftune bench --quick --out bench-out          # all modes, reduced (< 5 min on 2 cores)
+    selftune bench --out bench-out                  # the full table (< 15 min on 2 cores)
+    selftune bench --modes autotuned,static:process_count=2,max_batch_size=64
+    selftune bench --workload "onoff:on_rate=150,off_rate=5,on_seconds=30,off_seconds=60,duration=270,length=16-64"
+    selftune bench --url http://127.0.0.1:8000      # the capacity of a server already running
+
+Progress goes to stderr; the table to stdout (and with --out to bench.md, bench.json, the
+plots and requests.csv with every request); with --json the last stdout line is the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+from autotune.bench import report
+from autotune.bench.capacity import LadderConfig
+from autotune.bench.modes import STANDARD_MODES, Mode, describe, mode, oracle_candidates, parse_grid
+from autotune.bench.runner import (
+    CapacityPlan,
+    ModeResult,
+    RunLog,
+    as_dict,
+    capacity,
+    new_request_log,
+    oracle_sweep,
+    replay,
+    run_mode,
+)
+
+
+def register(subparsers) -> None:
+    b = subparsers.add_parser("bench", help="compare concurrency modes (and autotuning) on the same load, measured")
+    b.add_argument("--modes", default=",".join(STANDARD_MODES), help=f"comma-separated: {', '.join(STANDARD_MODES)}, static:KNOBS, autotuned:KNOBS")
+    b.add_argument("--url", help="measure this running server (capacity, or --workload) instead of starting modes")
+    b.add_argument("--workload", help="replay this workload spec (autotune/workloads.py) against every mode instead of the rate ladder")
+    b.add_argument("--grid", help="static knob grid, e.g. 'process_count=1,2;threads_per_process=1,2;max_batch_size=4,16,64': "
+                   "the oracle's sweep (capacity) or, with --workload, one replay per combination (the oracle is the best)")
+    b.add_argument("--model", default="builtin:minilm")
+    b.add_argument("--policy", help="policy file for the autotuned modes (default: configs/policies/default.yaml)")
+    b.add_argument("--slo", type=float, default=0.5, help="p99 latency objective, seconds")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--quick", action="store_true", help="fewer rates, shorter steps: all modes in under 5 minutes")
+    b.add_argument("--start-rate", type=float, help="first rate of the ladder (default: 0.35 × the limit)")
+    b.add_argument("--no-limit", action="store_true", help="skip the in-process limit row")
+    b.add_argument("--no-generator-check", action="store_true", help="skip the load generator's own capacity check")
+    b.add_argument("--out", help="directory for bench.md, bench.json, the PNG plots and requests.csv")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=run_bench)
+
+
+def run_bench(args) -> int:
+    started = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        names = split_modes(args.modes)
+        cores = len(os.sched_getaffinity(0))
+        modes = {n: mode(n, cores) for n in names if n != "oracle"}
+        grid = parse_grid(args.grid, cores) if args.grid else None
+        workload = None
+        if args.workload:
+            from autotune.workloads import from_spec
+
+            workload = from_spec(args.workload)
+    except ValueError as exc:
+        print(f"selftune bench: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or tempfile.mkdtemp(prefix="selftune-bench-")
+    os.makedirs(out, exist_ok=True)
+
+    from autotune.bench.inputs import sentences
+    from autotune.bench.machine import machine_info
+
+    machine = machine_info()
+    say(f"machine: {machine['cpu']}, {cores} usable cores, {machine['ram_gib']} GiB")
+    texts = sentences(512, 8, 48, seed=args.seed)
+    limit = None if args.no_limit or args.url or workload is not None else measure_limit_row(args, texts, cores, say)
+    start = args.start_rate or (0.35 * limit["sentences_per_second"] if limit else 20.0)
+    plan = CapacityPlan(
+        ladder=LadderConfig(start=start, factor=1.4 if args.quick else 1.25, refine=1 if args.quick else 2),
+        step_seconds=6.0 if args.quick else 12.0,
+        settle=1 / 3,
+        warmup_seconds=4.0 if args.quick else 8.0,
+        slo=args.slo,
+        seed=args.seed,
+    )
+    csv_file, writer = new_request_log(os.path.join(out, "requests.csv"))
+    results: list[ModeResult] = []
+    logs: dict[str, RunLog] = {}
+    oracle_rows: list[dict] = []
+    try:
+        if args.url:
+            log = RunLog(args.url.rstrip("/"))
+            result = ModeResult("external", args.url, {}, {})
+            if workload is not None:
+                result.workload = replay(log, workload, args.slo, "external", say, writer)
+            else:
+                result.max_qps, steps = capacity(log.url, None, log, plan, texts, "external", say, writer)
+                result.steps = [s.as_dict() for s in steps]
+                result.at_max = next((s.as_dict() for s in steps if s.passed and s.offered == result.max_qps), None)
+            result.timeline = log.rows
+            result.final_knobs = result.timeline[-1] if result.timeline else {}
+            logs["external"] = log
+            log.close()
+            results.append(result)
+        else:
+            with tempfile.TemporaryDirectory() as workdir:
+                if workload is not None and grid:
+                    names = [n for n in names if n != "oracle"] + [f"static:{_knob_text(k)}" for k in grid]
+                    modes.update({n: mode(n, cores) for n in names if n not in modes})
+                for name in names:
+                    if name == "oracle":
+                        probe = 1.3 * (limit["sentences_per_second"] if limit else max((r.max_qps for r in results), default=100.0) * 1.5)
+                        best, oracle_rows = oracle_sweep(grid or oracle_candidates(cores, args.quick), args.model, probe, 5.0 if args.quick else 8.0, args.slo, texts, args.seed, say)
+                        m = Mode("oracle", best, description="best of the static sweep: " + describe(best))
+                    else:
+                        m = modes[name]
+                    result, log = run_mode(m, args.model, plan, texts, workdir, say, writer, args.policy, workload)
+                    results.append(result)
+                    logs[name] = log
+    finally:
+        csv_file.close()
+
+    generator = None
+    if not args.no_generator_check and workload is None:
+        from autotune.bench.echo import generator_check
+        from autotune.bench.runner import embed_body
+
+        best_qps = max((r.max_qps for r in results), default=0.0)
+        rate = max(3 * best_qps, 50.0)
+        say(f"generator check: {rate:.0f} req/s (3 × the best mode) against an endpoint that answers at once")
+        generator = generator_check(rate, 5.0, embed_body(texts, args.seed)(0))
+        say(f"generator: {generator['achieved']:.0f} of {rate:.0f} req/s, send lag p99 {generator['lag_p99_ms']:.1f} ms, "
+            f"{generator['generator_cpu_cores']:.2f} cores")
+
+    table = report.workload_table(results) if workload is not None else report.capacity_table(results, limit, args.slo)
+    summary = {
+        "machine": {**machine, "usable_cores": cores},
+        "model": args.model,
+        "slo_seconds": args.slo,
+        "seed": args.seed,
+        "quick": args.quick,
+        "workload": args.workload,
+        "plan": {"step_seconds": plan.step_seconds, "settle": plan.settle, "ladder_start": plan.ladder.start, "factor": plan.ladder.factor},
+        "limit": limit,
+        "modes": [as_dict(r) for r in results],
+        "oracle_sweep": oracle_rows,
+        "generator_check": generator,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    summary["verdicts"] = verdicts(results, limit) if workload is None else workload_verdicts(results)
+    write_outputs(out, summary, table, results, logs, args.slo, workload is not None)
+    print(table)
+    for line in summary["verdicts"]:
+        print(line)
+    say(f"done in {summary['seconds']:.0f} s; outputs in {out}")
+    if args.json:
+        print(json.dumps(summary, default=_jsonable))
+    return 0
+
+
+def split_modes(text: str) -> list[str]:
+    """`autotuned,static:process_count=2,max_batch_size=64,hybrid` -> the three modes (a part
+    with `=` but no `:` continues the knobs of the mode before it)."""
+    names: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part and names:
+            names[-1] += "," + part
+        else:
+            names.append(part)
+    return names
+
+
+def measure_limit_row(args, texts: list[str], cores: int, say) -> dict:
+    from autotune.bench.limit import measure_limit
+    from engine.config import EngineConfig
+    from engine.model_source import resolve_model
+
+    source = resolve_model(args.model, EngineConfig().cache_dir)
+    say(f"limit: {source.name} in-process (tokenize + forward + pool), no server")
+    limit = measure_limit(source.path, texts, cores, duration=1.0 if args.quick else 2.0, say=say)
+    say(f"limit: {limit.sentences_per_second:.0f} sentences/s ({limit.processes} × {limit.threads}, batch {limit.batch_size})")
+    return {"sentences_per_second": limit.sentences_per_second, "processes": limit.processes, "threads": limit.threads,
+            "batch_size": limit.batch_size, "table": {k: {str(b): v for b, v in t.items()} for k, t in limit.table.items()}}
+
+
+def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
+    """The comparisons the table exists for, in words."""
+    by = {r.mode: r for r in results}
+    lines = []
+    best = max(results, key=lambda r: r.max_qps, default=None)
+    if best is not None and limit:
+        lines.append(f"best served mode {best.mode}: {best.max_qps:.0f} req/s = {best.max_qps / limit['sentences_per_second']:.2f} × limit ({limit['sentences_per_second']:.0f}/s)")
+    tuned = [r for r in results if r.mode.startswith("autotuned")]
+    if "oracle" in by:
+        for r in tuned:
+            lines.append(f"{r.mode} / oracle = {r.max_qps:.0f} / {by['oracle'].max_qps:.0f} = {r.max_qps / max(by['oracle'].max_qps, 1e-9):.2f}")
+    fixed = [r for r in results if r.mode in ("multiprocess", "multithread", "hybrid")]
+    for r in tuned:
+        ahead = [f.mode for f in fixed if r.max_qps > f.max_qps]
+        behind = [f.mode for f in fixed if r.max_qps <= f.max_qps]
+        if fixed:
+            lines.append(f"{r.mode} ahead of: {', '.join(ahead) or 'none'}" + (f"; not ahead of: {', '.join(behind)}" if behind else ""))
+    return lines
+
+
+def workload_verdicts(results: list[ModeResult]) -> list[str]:
+    """Goodput of each autotuned run against the seeds and the best static run of the grid."""
+    static = [r for r in results if r.mode.startswith("static:")]
+    best = max(static, key=lambda r: r.workload["goodput"], default=None)
+    lines = []
+    if best is not None:
+        lines.append(f"best static ({len(static)} runs): {best.mode}: goodput {best.workload['goodput']:.1f}/s")
+    for r in results:
+        if r.mode.startswith("autotuned"):
+            g = r.workload["goodput"]
+            line = f"{r.mode}: goodput {g:.1f}/s"
+            if best is not None:
+                line += f" = {g / max(best.workload['goodput'], 1e-9):.0%} of the best static"
+            lines.append(line)
+    return lines
+
+
+def _knob_text(k) -> str:
+    return ",".join(f"{name}={getattr(k, name)}" for name in ("process_count", "threads_per_process", "max_batch_size", "batch_timeout"))
+
+
+def write_outputs(out: str, summary: dict, table: str, results: list[ModeResult], logs: dict, slo: float, is_workload: bool) -> None:
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=_jsonable)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        m = summary["machine"]
+        f.write(f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['ram_gib']} GiB; torch {m['torch']}; model {summary['model']}\n\n")
+        f.write(table + "\n\n" + "\n".join(f"- {v}" for v in summary["verdicts"]) + "\n")
+        g = summary.get("generator_check")
+        if g:
+            f.write(f"- load generator against an endpoint that answers at once: {g['achieved']:.0f} of {g['offered']:.0f} req/s offered, "
+                    f"send lag p99 {g['lag_p99_ms']:.1f} ms, {g['generator_cpu_cores']:.2f} cores\n")
+    if not is_workload:
+        report.plot_curves(results, slo, os.path.join(out, "latency-throughput.png"))
+    for r in results:
+        if r.mode.startswith("autotuned") or is_workload:
+            name = r.mode.replace(":", "-").replace(",", "_").replace("=", "")
+            report.plot_mode_timeline(r, logs[r.mode], slo, os.path.join(out, f"timeline-{name}.png"))
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)

@@ -1,0 +1,121 @@
+"""The physical limit: raw in-process throughput of the model, with no server in the way.
+
+Tokenize + forward + pool (EmbeddingRunner) in spawned child processes, `processes` of them
+running at once with `threads` torch threads each, at several batch sizes. The caller's
+process never imports torch, so its own memory stays that of a client.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+
+
+def _child_setup(threads: int):
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    return torch
+
+
+def _load_runner(path: str):
+    import numpy as np
+    import torch
+
+    from engine.embedding import EmbeddingRunner
+    from engine.loading import load_model, load_tokenizer
+
+    model = load_model(path, "embed", torch.float32)
+    tokenizer = load_tokenizer(path)
+    runner = EmbeddingRunner(model, "cpu")
+    hidden = model.config.hidden_size
+
+    def embed(texts: list[str]):
+        enc = tokenizer(texts, padding=True, return_tensors="np")
+        ids = enc["input_ids"].astype(np.int32, copy=False)
+        lengths = tuple(int(x) for x in enc["attention_mask"].sum(axis=1))
+        out = np.empty((len(texts), hidden), dtype=np.float32)
+        runner.run(ids, lengths, out)
+        return out, ids, lengths
+
+    return embed, runner, hidden
+
+
+def _limit_child(path, threads, texts, batch_sizes, duration, barrier, results, rank):
+    """One process of a layout: per batch size, warm up, meet the others, run `duration` s."""
+    try:
+        _child_setup(threads)
+        embed, _, _ = _load_runner(path)
+        embed(texts[:2])
+        out = {}
+        cursor = 0
+        for bs in batch_sizes:
+            warm_until = time.perf_counter() + min(0.5, duration / 3)
+            while time.perf_counter() < warm_until:
+                embed(texts[cursor : cursor + bs] or texts[:bs])
+                cursor = (cursor + bs) % (len(texts) - bs)
+            barrier.wait(timeout=120)
+            done = 0
+            started = time.perf_counter()
+            end = started + duration
+            while True:
+                embed(texts[cursor : cursor + bs])
+                cursor = (cursor + bs) % (len(texts) - bs)
+                done += bs
+                now = time.perf_counter()
+                if now >= end:
+                    break
+            out[bs] = (done, now - started)
+        results.put((rank, out))
+    except BaseException as exc:  # report, never hang the parent
+        results.put((rank, {"error": repr(exc)}))
+
+
+def run_layout(ctx, path, processes, threads, texts, batch_sizes, duration) -> dict[int, float]:
+    """Sentences/s per batch size for `processes` concurrent processes x `threads` threads."""
+    barrier = ctx.Barrier(processes)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_limit_child, args=(path, threads, texts, batch_sizes, duration, barrier, results, r))
+        for r in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        rank, out = results.get(timeout=600)
+        if "error" in out:
+            raise RuntimeError(f"limit child {rank} failed: {out['error']}")
+        got[rank] = out
+    for p in procs:
+        p.join()
+    return {bs: sum(got[r][bs][0] / got[r][bs][1] for r in got) for bs in batch_sizes}
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    sentences_per_second: float
+    processes: int
+    threads: int
+    batch_size: int
+    table: dict[str, dict[int, float]]
+    """Sentences/s per layout ("PxT") and batch size."""
+
+
+def measure_limit(path: str, texts: list[str], cores: int, batch_sizes=(1, 8, 16, 32, 64), duration: float = 2.0, say=lambda msg: None) -> Limit:
+    """The best throughput over the layouts that fill the cores (1 × cores, cores × 1) and batch sizes."""
+    ctx = mp.get_context("spawn")
+    layouts = [(1, cores), (cores, 1)] if cores > 1 else [(1, 1)]
+    table: dict[str, dict[int, float]] = {}
+    for processes, threads in layouts:
+        name = f"{processes}x{threads}"
+        table[name] = run_layout(ctx, path, processes, threads, texts, batch_sizes, duration)
+        say(f"limit {name}: " + "  ".join(f"batch {bs}: {v:.0f}/s" for bs, v in table[name].items()))
+    name, bs = max(((n, b) for n in table for b in table[n]), key=lambda k: table[k[0]][k[1]])
+    processes, threads = (int(x) for x in name.split("x"))
+    return Limit(table[name][bs], processes, threads, bs, table)

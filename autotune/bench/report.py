@@ -1,0 +1,93 @@
+"""The bench's outputs: the table (terminal and Markdown), the JSON, and the PNG plots."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from autotune.bench.runner import ModeResult, RunLog, knob_changes
+
+
+def _ms(seconds) -> str:
+    return "–" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1000:.0f}"
+
+
+def capacity_table(results: list[ModeResult], limit: dict | None, slo: float) -> str:
+    """Markdown: per mode max QPS within the SLO and, at that rate, latency, memory, CPU."""
+    lines = [
+        f"| mode | configuration | max QPS (p99 ≤ {slo * 1000:.0f} ms) | mean latency (ms) | p99 latency (ms) | memory, all processes (MiB) | CPU (cores) | knobs at the end |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        at = r.at_max or {}
+        knobs = r.final_knobs
+        end = f"{knobs.get('process_count')}×{knobs.get('threads_per_process')}, batch {knobs.get('max_batch_size')}, {knobs.get('batch_timeout', 0) * 1000:g} ms" if knobs else ""
+        cpu = at.get("cpu_cores")
+        lines.append(
+            f"| {r.mode} | {r.description} | **{r.max_qps:.0f}** | {_ms(at.get('mean'))} | {_ms(at.get('p99'))} | "
+            f"{r.memory_mib:.0f} | {'–' if cpu is None else f'{cpu:.2f}'} | {end} |"
+        )
+    if limit is not None:
+        lines.append(
+            f"| limit | in-process, no server: {limit['processes']} × {limit['threads']}, batch {limit['batch_size']} | "
+            f"**{limit['sentences_per_second']:.0f}** | | | | | |"
+        )
+    return "\n".join(lines)
+
+
+def workload_table(results: list[ModeResult]) -> str:
+    """Markdown: per mode goodput, throughput, attainment and latency over a replayed workload."""
+    lines = [
+        "| mode | configuration | goodput (req/s within SLO) | throughput (req/s) | within SLO | p50 (ms) | p99 (ms) | memory (MiB) | knobs at the end |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        w = r.workload or {}
+        lat = w.get("latency_seconds", {})
+        k = r.final_knobs
+        end = f"{k.get('process_count')}×{k.get('threads_per_process')}, batch {k.get('max_batch_size')}, {k.get('batch_timeout', 0) * 1000:g} ms" if k else ""
+        lines.append(
+            f"| {r.mode} | {r.description} | **{w.get('goodput', 0):.1f}** | {w.get('throughput', 0):.1f} | "
+            f"{w.get('slo_attainment', 0):.1%} | {_ms(lat.get('p50'))} | {_ms(lat.get('p99'))} | {r.memory_mib:.0f} | {end} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_curves(results: list[ModeResult], slo: float, path: str) -> None:
+    """Latency–throughput curves: p99 (solid) and mean (dotted) against the offered rate, per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for i, r in enumerate(results):
+        steps = sorted(r.steps, key=lambda s: s["offered"])
+        if not steps:
+            continue
+        x = [s["offered"] for s in steps]
+        color = f"C{i % 10}"
+        ax.plot(x, [s["p99"] * 1000 for s in steps], "o-", color=color, label=f"{r.mode} p99 (max {r.max_qps:.0f}/s)")
+        ax.plot(x, [s["mean"] * 1000 for s in steps], ":", color=color, lw=1)
+    ax.axhline(slo * 1000, color="k", ls="--", lw=0.8, label="SLO")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (requests/s, Poisson)")
+    ax.set_ylabel("latency (ms): p99 solid, mean dotted")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_mode_timeline(result: ModeResult, log: RunLog, slo: float, path: str) -> None:
+    """One mode's latency and knobs over its whole run."""
+    from autotune.plots import timeline
+
+    if not log.requests or not result.timeline:
+        return
+    arrival = np.array([a for a, _, _ in log.requests])
+    done = np.array([d for _, d, _ in log.requests])
+    ok = np.array([o for _, _, o in log.requests])
+    timeline(arrival, done, ok, knob_changes(result.timeline), slo, path, "seconds since the first request", bins=200)

@@ -1,0 +1,180 @@
+"""`selftune validate`: the same workload on a live server and in the simulator, side by side.
+
+For each workload (by default Poisson loads from light to overload), it starts a real server
+with the given knobs (and policy, if any), replays the arrivals with texts of the workload's
+token lengths, then simulates the same arrivals with the same knobs, policy and cost model.
+The simulator is trusted where throughput agrees within 10 % and p50/p99 within 20 %.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+from autotune.bench.capacity import LadderConfig
+from autotune.bench.modes import Mode, describe
+from autotune.bench.runner import CapacityPlan, run_mode
+
+THROUGHPUT_TOLERANCE = 0.10
+IDLE_SECONDS = 5.0
+"""How long calibration watches the idle server's front process before the requests."""
+LATENCY_TOLERANCE = 0.20
+
+
+def relative_error(sim: float, live: float) -> float:
+    if not (math.isfinite(sim) and math.isfinite(live)) or live == 0:
+        return math.inf
+    return (sim - live) / live
+
+
+def compare(live: dict, sim: dict) -> dict:
+    """Live vs simulated summaries (as `runner.summarize` and `SimResult.summary` give them)."""
+    rows = {
+        # answers finished before the workload's last arrival: what the server kept up with
+        # (every request is answered eventually, so answers / duration would always agree)
+        "throughput": (live["throughput_in_window"], sim["throughput_in_window"], THROUGHPUT_TOLERANCE),
+        "goodput": (live["goodput"], sim["goodput"], None),
+        "p50": (live["latency_seconds"]["p50"], sim["latency_seconds"]["p50"], LATENCY_TOLERANCE),
+        "p99": (live["latency_seconds"]["p99"], sim["latency_seconds"]["p99"], LATENCY_TOLERANCE),
+    }
+    out = {}
+    for name, (lv, sv, tolerance) in rows.items():
+        error = relative_error(sv, lv)
+        out[name] = {"live": lv, "sim": sv, "error": error, "within": None if tolerance is None else abs(error) <= tolerance}
+    return out
+
+
+def calibrate(knobs, model: str, arrivals: list[tuple[float, int]], cost_model, cores: int, say) -> dict:
+    """Per-request costs outside the workers, measured on a live server at a light load.
+
+    request_overhead_seconds: median of (client latency - queue - model time) over the
+    requests, the time a request spends in HTTP, tokenizing, hand-offs and the response.
+    model_time_factor: median of a request's model time over the cost model's time for a batch
+    of one of its length (most batches at a light load hold one request): a serving worker
+    runs the same forward pass with colder caches than the profiler's tight loop.
+    front_cpu_seconds_per_request: CPU of the front process and of this client per request,
+    less what they use while idle; on a machine where the client runs beside the server both
+    take cores from the workers.
+    """
+    import json
+    import time
+
+    import numpy as np
+    import psutil
+
+    from autotune import loadgen
+    from autotune.bench.inputs import sentence_of_tokens
+    from autotune.bench.runner import MODEL_NAME, start_server, wait_idle, warm_up, RunLog, embed_body
+
+    mode = Mode("calibrate", knobs, description=describe(knobs))
+    bodies = [json.dumps({"model": MODEL_NAME, "input": sentence_of_tokens(tokens, seed=i), "encoding_format": "base64"}).encode() for i, (_, tokens) in enumerate(arrivals)]
+    with tempfile.TemporaryDirectory() as workdir:
+        server = start_server(mode, model, workdir)
+        try:
+            log = RunLog(server.url)
+            warm_up(log, 10.0, 2.0, embed_body(["a few words to warm the workers up"], 0))
+            log.close()
+            wait_idle(server.url)
+            front, client = psutil.Process(server.proc.pid), psutil.Process()
+
+            def cpu_seconds() -> float:
+                return sum(front.cpu_times()[:2]) + sum(client.cpu_times()[:2])
+
+            cpu0, idle_from = cpu_seconds(), time.monotonic()
+            time.sleep(IDLE_SECONDS)  # what the front's own threads (sampler, metrics) cost without requests
+            idle_cores = (cpu_seconds() - cpu0) / (time.monotonic() - idle_from)
+            cpu0, started = cpu_seconds(), time.monotonic()
+            results = loadgen.run(server.url, [t for t, _ in arrivals], lambda i: bodies[i])
+            wall = time.monotonic() - started
+            cpu = max(0.0, cpu_seconds() - cpu0 - idle_cores * wall)
+        finally:
+            server.stop()
+    ok = [(i, r) for i, r in enumerate(results) if r.status == 200 and "queue" in r.stages and "model" in r.stages]
+    if not ok:
+        raise RuntimeError("calibration: no request answered with stage timings")
+    overhead = float(np.median([r.latency - r.stages["queue"] - r.stages["model"] for _, r in ok]))
+    # at a light load most batches hold one request: its model time against the profiled one
+    factor = float(np.median([r.stages["model"] / cost_model.service_time(1, arrivals[i][1], knobs.threads_per_process, 1, cores) for i, r in ok]))
+    serving = {
+        "request_overhead_seconds": overhead,
+        "model_time_factor": factor,
+        "front_cpu_seconds_per_request": cpu / len(results),
+        "calibrated_with": f"{len(results)} requests at {len(results) / max(arrivals[-1][0], 1e-9):.1f}/s over {wall:.0f} s, {describe(knobs)}; "
+                           f"idle front + client {idle_cores:.3f} cores subtracted",
+    }
+    say(f"calibration: {overhead * 1000:.2f} ms per request outside the workers, {serving['front_cpu_seconds_per_request'] * 1000:.2f} ms CPU (front + client), "
+        f"model time {factor:.2f} × the profiled one")
+    return serving
+
+
+def validate(workloads: list[tuple[str, list]], knobs, policy_path: str | None, cost_model, sim_config, model: str, slo: float, say) -> list[dict]:
+    """One row per (label, arrivals): the live summary, the simulated one and their comparison."""
+    from autotune.simulator import simulate
+    from policies.loader import load_policy
+
+    plan = CapacityPlan(LadderConfig(start=1.0), step_seconds=0.0, settle=0.0, warmup_seconds=0.0, slo=slo)
+    mode = Mode("validate", knobs, autotune=policy_path is not None, description=describe(knobs))
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for label, arrivals in workloads:
+            say(f"[{label}] live: {len(arrivals)} requests, {describe(knobs)}" + (f", policy {policy_path}" if policy_path else ""))
+            result, _ = run_mode(mode, model, plan, [], workdir, say, policy=policy_path, workload=arrivals)
+            live = result.workload
+            sim = simulate(arrivals, cost_model, sim_config, load_policy(policy_path) if policy_path else None).summary()
+            row = {"workload": label, "live": live, "sim": {k: v for k, v in sim.items() if k not in ("decisions", "knob_trajectory")},
+                   "compare": compare(live, sim), "live_final_knobs": result.final_knobs}
+            rows.append(row)
+            say(format_row(row))
+    return rows
+
+
+def format_row(row: dict) -> str:
+    c = row["compare"]
+
+    def cell(name: str, scale: float, unit: str) -> str:
+        v = c[name]
+        mark = "" if v["within"] is None else (" ok" if v["within"] else " OFF")
+        return f"{name} {v['live'] * scale:.1f}{unit} live / {v['sim'] * scale:.1f}{unit} sim ({v['error']:+.0%}{mark})"
+
+    return f"[{row['workload']}] " + "; ".join([cell("throughput", 1, "/s"), cell("p50", 1000, " ms"), cell("p99", 1000, " ms")])
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| workload | req/s answered within the run, live / sim (Δ) | p50 ms live / sim (Δ) | p99 ms live / sim (Δ) | within 10 % / 20 % |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        c = row["compare"]
+        ok = all(c[k]["within"] for k in ("throughput", "p50", "p99"))
+
+        def cell(name: str, scale: float) -> str:
+            return f"{c[name]['live'] * scale:.1f} / {c[name]['sim'] * scale:.1f} ({c[name]['error']:+.0%})"
+
+        lines.append(f"| {row['workload']} | {cell('throughput', 1)} | {cell('p50', 1000)} | {cell('p99', 1000)} | {'yes' if ok else 'no'} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Live against simulated, per workload: throughput, p50 and p99 side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    labels = [r["workload"] for r in rows]
+    x = range(len(rows))
+    for ax, (name, scale, unit) in zip(axes, [("throughput", 1, "req/s"), ("p50", 1000, "ms"), ("p99", 1000, "ms")]):
+        ax.bar([i - 0.2 for i in x], [r["compare"][name]["live"] * scale for r in rows], 0.4, label="live")
+        ax.bar([i + 0.2 for i in x], [r["compare"][name]["sim"] * scale for r in rows], 0.4, label="simulated")
+        ax.set_xticks(list(x), labels, rotation=20, fontsize=8)
+        ax.set_title(f"{name} ({unit})")
+        if name != "throughput":
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,146 @@
+"""`selftune bench`'s parts: the rate ladder, step judging, modes, the load generator, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autotune import loadgen
+from autotune.bench.capacity import LadderConfig, RateLadder, judge, poisson_arrivals
+from autotune.bench.echo import generator_check
+from autotune.bench.modes import SEED_DEFAULTS, mode, oracle_candidates
+from autotune.bench.runner import RunLog, capacity, CapacityPlan
+from autotune.bench.server import ServerProcess
+from autotune.loadgen import Result
+
+
+def climb(capacity_rps: float, config: LadderConfig) -> tuple[float, list[float]]:
+    """Run the ladder against a server that passes exactly the rates <= capacity_rps."""
+    ladder = RateLadder(config)
+    offered = []
+    while (rate := ladder.next_rate()) is not None:
+        offered.append(rate)
+        ladder.record(rate, rate <= capacity_rps)
+    return ladder.best, offered
+
+
+def test_ladder_climbs_geometrically_then_bisects():
+    best, offered = climb(100.0, LadderConfig(start=40, factor=1.5, refine=2))
+    assert offered[:4] == [40, 60, 90, 135]
+    assert offered[4:] == [112.5, 101.25]  # between the last pass (90) and the first fail (135), twice
+    assert best == 90.0
+
+
+def test_ladder_best_is_the_highest_pass_below_the_lowest_failure():
+    ladder = RateLadder(LadderConfig(start=10, factor=2, refine=1))
+    for rate, ok in [(10, True), (20, True), (40, False), (30, False)]:
+        ladder.record(rate, ok)
+    assert ladder.best == 20
+    assert ladder.next_rate() is None  # one bisection (30) done
+
+
+def test_ladder_steps_down_when_even_the_first_rate_fails():
+    best, offered = climb(12.0, LadderConfig(start=40, factor=2, refine=1))
+    assert offered[:3] == [40, 10, 25]  # down by factor², then bisect between 10 and 40
+    assert best == 10
+    assert climb(0.1, LadderConfig(start=4, factor=2, refine=1))[0] == 0.0  # gives up below min_rate
+
+
+def test_judge_skips_the_settling_part_and_needs_the_p99_and_the_200s():
+    fast = [Result(t / 10, 200, 0.05) for t in range(100)]
+    slow_start = [Result(t / 10, 200, 2.0 if t < 30 else 0.05) for t in range(100)]
+    assert judge(fast, 10, 0.0, 10, slo=0.5, cpu_cores=1.0).passed
+    assert not judge(slow_start, 10, 0.0, 10, slo=0.5, cpu_cores=1.0).passed
+    assert judge(slow_start, 10, 3.0, 10, slo=0.5, cpu_cores=1.0).passed
+    late = [Result(t / 10, 200, 5.0) for t in range(100)]  # all answered, but after the step: not throughput
+    assert judge(late, 10, 0.0, 10, slo=10.0, cpu_cores=1.0).throughput == pytest.approx(5.1)
+    rejected = [Result(t / 10, 429 if t % 20 == 0 else 200, 0.05) for t in range(100)]
+    step = judge(rejected, 10, 0.0, 10, slo=0.5, cpu_cores=1.0)
+    assert not step.passed and step.ok_fraction == pytest.approx(0.95)
+
+
+def test_poisson_arrivals_are_seeded_and_at_the_rate():
+    a = poisson_arrivals(50, 20, seed=3)
+    assert a == poisson_arrivals(50, 20, seed=3) and a != poisson_arrivals(50, 20, seed=4)
+    assert 900 < len(a) < 1100 and all(0 <= t < 20 for t in a) and a == sorted(a)
+
+
+def test_modes_on_two_and_sixteen_cores():
+    assert (mode("multiprocess", 2).knobs.process_count, mode("multiprocess", 2).knobs.io_threads) == (2, 0)
+    assert (mode("multithread", 2).knobs.process_count, mode("multithread", 2).knobs.threads_per_process) == (1, 2)
+    hybrid = mode("hybrid", 16).knobs
+    assert (hybrid.process_count, hybrid.threads_per_process) == (8, 2) and not mode("hybrid", 16).allow_oversubscription
+    assert mode("hybrid", 2).allow_oversubscription  # 2 × 2 on 2 cores, said so
+    assert mode("autotuned", 2).autotune and mode("autotuned", 2).knobs == SEED_DEFAULTS
+    custom = mode("static:process_count=1,max_batch_size=64", 2)
+    assert (custom.knobs.process_count, custom.knobs.max_batch_size, custom.autotune) == (1, 64, False)
+    assert mode("autotuned:process_count=1,threads_per_process=1,max_batch_size=1", 2).knobs.max_batch_size == 1
+    with pytest.raises(ValueError, match="unknown mode 'turbo'"):
+        mode("turbo", 2)
+    with pytest.raises(ValueError, match="unknown knob 'speed'"):
+        mode("static:speed=3", 2)
+    assert all(k.process_count * k.threads_per_process <= 2 for k in oracle_candidates(2, quick=False))
+
+
+def test_mode_lists_and_grids_parse():
+    from autotune.bench.cli import split_modes
+    from autotune.bench.modes import parse_grid
+
+    assert split_modes("autotuned,static:process_count=2,max_batch_size=64,hybrid") == ["autotuned", "static:process_count=2,max_batch_size=64", "hybrid"]
+    grid = parse_grid("process_count=1,2;threads_per_process=1,2;max_batch_size=4,64", cores=2)
+    assert sorted((k.process_count, k.threads_per_process, k.max_batch_size) for k in grid) == [(1, 1, 4), (1, 1, 64), (1, 2, 4), (1, 2, 64), (2, 1, 4), (2, 1, 64)]
+    with pytest.raises(ValueError, match="--grid"):
+        parse_grid("speed=1,2", cores=2)
+
+
+def test_load_generator_offers_a_high_rate_to_an_endpoint_that_answers_at_once():
+    check = generator_check(400, 2.0, b'{"input": "x"}')
+    print(f"\ngenerator: {check}")
+    assert check["ok_fraction"] == 1.0
+    assert check["achieved"] >= 0.95 * 400
+    assert check["lag_p99_ms"] < 100
+
+
+def test_capacity_ladder_and_stage_headers_against_a_real_server(tmp_path):
+    config = {"concurrency": {"process_count": 1, "max_batch_size": 8}, "autotune": {"enabled": False}}
+    server = ServerProcess(tmp_path, config)
+    log = RunLog(server.url)
+    try:
+        plan = CapacityPlan(LadderConfig(start=10, factor=2, refine=0, max_steps=2), step_seconds=2.0, settle=0.25, warmup_seconds=1.0, slo=0.5)
+        best, steps = capacity(server.url, server.cpu_seconds, log, plan, ["a short sentence", "another one to embed"], "test", print)
+        assert [s.offered for s in steps] == [10, 20]
+        assert best == 20 and all(s.passed for s in steps)
+        assert all(s.cpu_cores > 0 for s in steps)
+        assert {"queue", "model", "server"} <= set(steps[0].stages) and steps[0].stages["model"] > 0
+        assert len(log.requests) >= 50 and all(ok for _, _, ok in log.requests)
+        assert log.rows and log.rows[-1]["process_count"] == 1  # knobs polled while it ran
+        assert server.memory_bytes() > 50 * 2**20
+    finally:
+        log.close()
+        server.stop()
+
+
+def test_open_loop_keeps_the_schedule_when_the_server_is_slow(tmp_path):
+    """Open loop: a slow server does not slow the arrivals (latency grows, lag does not)."""
+    config = {"concurrency": {"process_count": 1, "max_batch_size": 1, "batch_timeout": 0.0}, "autotune": {"enabled": False}}
+    server = ServerProcess(tmp_path, config)
+    try:
+        text = " ".join(["word"] * 200)
+        body = json.dumps({"model": "all-MiniLM-L6-v2", "input": text}).encode()
+        results = loadgen.run(server.url, [i / 100 for i in range(200)], body)  # 100/s, far over capacity
+    finally:
+        server.stop()
+    assert all(r.status == 200 for r in results)
+    assert max(r.lag for r in results) < 0.2
+    assert results[-1].latency > 0.5  # queued behind the others
+
+
+def test_bench_cli_rejects_unknown_modes_and_workloads():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "autotune.cli", "bench", *a], capture_output=True, text=True, timeout=60)  # noqa: E731
+    bad_mode = run("--modes", "multiprocess,turbo")
+    assert bad_mode.returncode == 2 and "unknown mode 'turbo'" in bad_mode.stderr
+    bad_workload = run("--workload", "zigzag:rate=3")
+    assert bad_workload.returncode == 2 and "workload kind 'zigzag'" in bad_workload.stderr
