@@ -113,10 +113,11 @@ def load_workload(spec):
 
 def emit(result: dict, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(result, default=_jsonable))
+        print(json.dumps(result, default=jsonable))
 
 
-def _jsonable(value):
+def jsonable(value):
+    """json.dump's `default`: non-finite floats as null, arrays as lists, the rest as text."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if hasattr(value, "tolist"):
@@ -168,7 +169,7 @@ def run_simulate(args) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "simulation.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1, default=_jsonable)
+            json.dump(summary, f, indent=1, default=jsonable)
         plot_timeline(result, os.path.join(args.out, "simulation.png"))
         say(f"wrote {args.out}/simulation.json and simulation.png")
     emit(summary, args.json)
@@ -248,7 +249,7 @@ def run_tune(args) -> int:
         result.update(tuned_policy=path, score=tuned["score"], baseline_score=tuned["baseline_score"], evaluations=tuned["evaluations"], params={p: get_path(tuned["spec"], p) for p in problem.space})
     result["wall_seconds"] = round(time.perf_counter() - started, 2)
     with open(os.path.join(out, "tune.json"), "w", encoding="utf-8") as f:
-        json.dump({**result, "oracle_grid": best_static["grid"]}, f, indent=1, default=_jsonable)
+        json.dump({**result, "oracle_grid": best_static["grid"]}, f, indent=1, default=jsonable)
     _report_tune(result)
     emit(result, args.json)
     return 0
@@ -299,7 +300,7 @@ def run_validate(args) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "validate.json"), "w", encoding="utf-8") as f:
-            json.dump({"knobs": config.knobs.as_dict(), "policy": args.policy, "cost_model": args.cost_model, "serving": cost_model.serving, "rows": rows}, f, indent=1, default=_jsonable)
+            json.dump({"knobs": config.knobs.as_dict(), "policy": args.policy, "cost_model": args.cost_model, "serving": cost_model.serving, "rows": rows}, f, indent=1, default=jsonable)
         with open(os.path.join(args.out, "validate.md"), "w", encoding="utf-8") as f:
             f.write(text + "\n")
         plot(rows, os.path.join(args.out, "validate.png"))

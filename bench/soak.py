@@ -24,7 +24,6 @@ import csv
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,16 +34,11 @@ import httpx
 import psutil
 import yaml
 
+from autotune.bench.server import free_port
 from autotune.loadgen import open_loop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKEN = "soak-admin-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(port: int, leak_mb_per_min: float, workdir: str) -> subprocess.Popen:

@@ -13,7 +13,6 @@ plots and requests.csv with every request); with --json the last stdout line is 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from autotune.bench.runner import (
     replay,
     run_mode,
 )
+from autotune.offline_cli import jsonable
 
 
 def register(subparsers) -> None:
@@ -164,7 +164,7 @@ def run_bench(args) -> int:
         print(line)
     say(f"done in {summary['seconds']:.0f} s; outputs in {out}")
     if args.json:
-        print(json.dumps(summary, default=_jsonable))
+        print(json.dumps(summary, default=jsonable))
     return 0
 
 
@@ -238,7 +238,7 @@ def _knob_text(k) -> str:
 
 def write_outputs(out: str, summary: dict, table: str, results: list[ModeResult], logs: dict, slo: float, is_workload: bool) -> None:
     with open(os.path.join(out, "bench.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=_jsonable)
+        json.dump(summary, f, indent=1, default=jsonable)
     with open(os.path.join(out, "bench.md"), "w") as f:
         m = summary["machine"]
         f.write(f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['ram_gib']} GiB; torch {m['torch']}; model {summary['model']}\n\n")
@@ -253,9 +253,3 @@ def write_outputs(out: str, summary: dict, table: str, results: list[ModeResult]
         if r.mode.startswith("autotuned") or is_workload:
             name = r.mode.replace(":", "-").replace(",", "_").replace("=", "")
             report.plot_mode_timeline(r, logs[r.mode], slo, os.path.join(out, f"timeline-{name}.png"))
-
-
-def _jsonable(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return str(value)
