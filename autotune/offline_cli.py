@@ -16,7 +16,7 @@ import time
 import yaml
 
 from autotune.bench.modes import parse_knobs
-from engine.config import Knobs
+from engine.config import INFLIGHT_BATCHES, Knobs
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_COST_MODEL = os.path.join(PROJECT_DIR, "configs", "costmodels", "epyc-2core-minilm.json")
@@ -73,7 +73,7 @@ def register(subparsers) -> None:
 def _sim_arguments(parser) -> None:
     parser.add_argument("--knobs", default=None, help="starting knobs, e.g. process_count=2,max_batch_size=8,batch_timeout=0.005")
     parser.add_argument("--cores", type=int, default=None, help="cores the workers share (default: this machine's)")
-    parser.add_argument("--max-inflight-batches", type=int, default=2)
+    parser.add_argument("--max-inflight-batches", type=int, default=INFLIGHT_BATCHES)
     parser.add_argument("--startup-seconds", type=float, default=1.0)
     parser.add_argument("--max-queued-requests", type=int, default=512)
     parser.add_argument("--interval", type=float, default=2.0, help="controller interval (autotune.interval_seconds)")
@@ -210,7 +210,7 @@ def run_tune(args) -> int:
     search = config.get("search", {}) or {}
     method = args.method or search.get("method", "differential_evolution")
     sim = config.get("simulator", {}) or {}
-    defaults = argparse.Namespace(knobs="", cores=None, max_inflight_batches=2, startup_seconds=1.0, max_queued_requests=512, interval=2.0, cooldown=4.0)
+    defaults = argparse.Namespace(knobs="", cores=None, max_inflight_batches=INFLIGHT_BATCHES, startup_seconds=1.0, max_queued_requests=512, interval=2.0, cooldown=4.0)
     for key, value in sim.items():
         if not hasattr(defaults, key) or key == "knobs":
             raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k != 'knobs')}")

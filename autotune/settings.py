@@ -14,6 +14,7 @@ from typing import Annotated, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engine import packing
 from engine.config import Bounds, EngineConfig, Knobs
 from engine.http.state import ServerLimits
 
@@ -42,6 +43,7 @@ class ModelSection(Section):
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_input_tokens: Annotated[int, Field(ge=1)] | None = None
+    pack_row_tokens: Annotated[int, Field(ge=0, le=65536)] = packing.DEFAULT_ROW_TOKENS
 
 
 class ConcurrencySection(Section):
@@ -172,7 +174,7 @@ class ServerConfig(Section):
         m = self.model
         return EngineConfig(
             model=m.name, task=m.task, device=m.device, dtype=m.dtype, max_input_tokens=m.max_input_tokens,
-            knobs=self.knobs(), bounds=self.bounds_obj(),
+            pack_row_tokens=m.pack_row_tokens, knobs=self.knobs(), bounds=self.bounds_obj(),
             restart_backoff=(self.supervision.restart_backoff_seconds, self.supervision.restart_backoff_max_seconds),
             placement=self.placement.mode,
             placement_cpus=tuple(tuple(cpus) for cpus in self.placement.cpus) if self.placement.cpus else None,

@@ -24,8 +24,9 @@ import numpy as np
 from autotune.controller import ControllerConfig, DecisionLoop
 from autotune.costmodel import CostModel
 from autotune.guardrails import MachineLimits
+from engine import packing
 from engine.batcher import Batch, Item
-from engine.config import Bounds, Knobs
+from engine.config import INFLIGHT_BATCHES, Bounds, Knobs
 from engine.scheduler import Scheduler
 from monitors.observation import Latency, Load, Observation, WorkerObservation
 from monitors.window import SnapshotWindow
@@ -44,8 +45,10 @@ class SimConfig:
     """Cores the workers share (the cost model's contention and the guardrails' core limit)."""
     slo_seconds: float = 0.5
     """A request is good when it finishes within this many seconds of arriving."""
-    max_inflight_batches: int = 2
-    """Batches the router lets one worker hold (engine default); 1 makes each worker a single server."""
+    pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS
+    """Mixed-length batches run packed into rows of this many tokens (model.pack_row_tokens)."""
+    max_inflight_batches: int = INFLIGHT_BATCHES
+    """Batches the router lets one worker hold (the engine's)."""
     startup_seconds: float = 1.0
     """Fork + warm-up time before a new worker takes traffic."""
     max_queued_requests: int = 512
@@ -312,7 +315,8 @@ class Simulation:
                 self.dispatched[item.request_id] = now
             self.counters["batches"] += 1
             self.counters["items"] += len(batch.items)
-            self.counters["padded_tokens"] += batch.padded_length * len(batch.items)
+            rows, row_length = batch.shape(self.config.pack_row_tokens)
+            self.counters["padded_tokens"] += rows * row_length
             self.counters["real_tokens"] += sum(item.length for item in batch.items)
             worker = self.workers[dispatch.worker_id]
             worker.queue.append(batch)
@@ -328,7 +332,8 @@ class Simulation:
         worker.running = batch
         self._busy += 1
         k = self.knobs
-        seconds = self.cost.service_time(len(batch.items), batch.padded_length, k.threads_per_process, self._busy, self.config.cores)
+        rows, row_length = batch.shape(self.config.pack_row_tokens)
+        seconds = self.cost.service_time(rows, row_length, k.threads_per_process, self._busy, self.config.cores)
         seconds *= self._front_slowdown(now) * self.config.model_time_factor
         self._push(now + seconds, DONE, (worker.worker_id, batch, seconds))
 

@@ -14,6 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from engine import packing
+
 
 @dataclass(slots=True)
 class Item:
@@ -40,6 +42,10 @@ class Batch:
     @property
     def padded_length(self) -> int:
         return max(item.length for item in self.items)
+
+    def shape(self, pack_row_tokens: int) -> tuple[int, int]:
+        """(rows, tokens per row) the forward pass runs at, packed or padded (engine.packing)."""
+        return packing.shape([item.length for item in self.items], pack_row_tokens)
 
     @property
     def fill(self) -> float:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine import packing
+
 Task = Literal["embed", "generate"]
 
 
@@ -72,6 +74,12 @@ class Bounds:
         return Knobs(**changes)
 
 
+INFLIGHT_BATCHES = 1
+"""One batch per worker: the next batch forms when a worker frees, from everything queued by
+then, so it is fuller and packs better. Measured on 2 cores at 140 req/s of 10–50-token
+inputs: p99 273 ms with one, 432 ms with two (the second batch formed early, half empty)."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Settings fixed for the engine's lifetime."""
@@ -85,12 +93,15 @@ class EngineConfig:
     """`auto` (float32 on CPU, bfloat16/float16 on CUDA), `float32`, `bfloat16`, `float16`."""
     max_input_tokens: int | None = None
     """Longer inputs are rejected; None means the model's own limit."""
+    pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS
+    """Embedding batches of mixed lengths run packed into rows of this many tokens (engine.packing);
+    0 runs them padded."""
     knobs: Knobs = field(default_factory=Knobs)
     bounds: Bounds = field(default_factory=Bounds)
     warmup: bool = True
     """Run one dummy batch in each new worker before it takes traffic."""
-    max_inflight_batches: int = 2
-    """Embedding batches a worker may hold at once (one running, the next waiting in shared memory)."""
+    max_inflight_batches: int = INFLIGHT_BATCHES
+    """Embedding batches a worker may hold at once."""
     restart_backoff: tuple[float, float] = (0.1, 5.0)
     """Initial and maximum delay before a dead worker is replaced (doubles on each death)."""
     placement: str = "auto"

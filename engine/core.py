@@ -314,6 +314,8 @@ class EngineCore:
             hidden_size=self.info.hidden_size,
             eos_token_ids=self.info.eos_token_ids,
             warmup=self.config.warmup,
+            pack_row_tokens=self.config.pack_row_tokens,
+            vocab_size=self.info.vocab_size,
             cpus=handle.applied[2],
             numa_node=placement.node if placement is not None else None,
         )
@@ -513,7 +515,8 @@ class EngineCore:
         handle.batches[batch.batch_id] = (batch, slot, now)
         self.counters.batches += 1
         self.counters.items += len(live)
-        self.counters.padded_tokens += batch.padded_length * len(live)
+        rows, row_length = batch.shape(self.config.pack_row_tokens)
+        self.counters.padded_tokens += rows * row_length
         self.counters.real_tokens += sum(item.length for item in live)
         self._send(handle, m.RunEmbed(batch.batch_id, slot, tuple(item.length for item in live)))
 

@@ -31,6 +31,9 @@ class WorkerSpec:
     hidden_size: int
     eos_token_ids: tuple[int, ...] = ()
     warmup: bool = True
+    pack_row_tokens: int = 0
+    """Embeddings: pack mixed-length batches into rows of this many tokens (0: padded)."""
+    vocab_size: int = 0
     cpus: tuple[int, ...] = ()
     """CPUs to pin to (empty: leave the affinity alone)."""
     numa_node: int | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.batcher import Batch, Batcher, Item
-from engine.config import Knobs, Task
+from engine.config import INFLIGHT_BATCHES, Knobs, Task
 from engine.router import Router
 
 
@@ -20,7 +20,7 @@ class Dispatch:
 
 
 class Scheduler:
-    def __init__(self, task: Task, knobs: Knobs, max_inflight_batches: int = 2):
+    def __init__(self, task: Task, knobs: Knobs, max_inflight_batches: int = INFLIGHT_BATCHES):
         self.task = task
         self.max_inflight_batches = max_inflight_batches
         self.batcher = Batcher(1, 0.0)

@@ -24,6 +24,7 @@ class Counters:
     items: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
+    """Token slots the forward passes computed: rows × row length, padding included."""
     generated_tokens: int = 0
     requeued_items: int = 0
     workers_started: int = 0

@@ -60,7 +60,7 @@ class EmbedWorker:
 
         self.spec = spec
         self.conn = conn
-        self.runner = EmbeddingRunner(model, spec.device)
+        self.runner = EmbeddingRunner(model, spec.device, spec.pack_row_tokens)
         self.shm = SlotBuffer.create(spec.slots, spec.slot_items, spec.max_length, spec.hidden_size)
 
     def serve(self) -> int:
@@ -68,6 +68,7 @@ class EmbedWorker:
         self.conn.send(m.Hello(self.spec.worker_id, os.getpid(), nbytes))
         send_handle(self.conn, self.shm.fd, 0)
         started = time.perf_counter()
+        self.runner.check_packing(self.spec.vocab_size)
         if self.spec.warmup:
             ids = self.shm.ids(0, 2, 8)
             ids[:] = 100

@@ -29,10 +29,11 @@ def _load_runner(path: str):
 
     from engine.embedding import EmbeddingRunner
     from engine.loading import load_model, load_tokenizer
+    from engine.packing import DEFAULT_ROW_TOKENS
 
     model = load_model(path, "embed", torch.float32)
     tokenizer = load_tokenizer(path)
-    runner = EmbeddingRunner(model, "cpu")
+    runner = EmbeddingRunner(model, "cpu", DEFAULT_ROW_TOKENS)  # as the server runs it
     hidden = model.config.hidden_size
 
     def embed(texts: list[str]):
