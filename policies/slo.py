@@ -13,7 +13,13 @@ With the fit, the item arrival rate λ and the current process_count P, each dec
 
     (i)  capacity:  P × B / service(B) >= λ × (1 + headroom)       smallest such B
     (ii) latency:   batch_timeout + service(B) <= slo_p99_seconds × budget_fraction
-    batch_timeout = min(time for the shared batcher to gather B items at λ, what (ii) leaves)
+    batch_timeout = min(time for the shared batcher to gather B items at λ, a, what (ii) leaves)
+
+Why never longer than a, the fixed cost of a batch: the wait only matters while a worker is
+idle (a busy engine's queue fills batches by itself, and the batcher closes a full batch at
+once), and what a fuller batch saves over sending what is there and the rest next is one
+batch's fixed cost. Waiting longer than that spends more of the waiting items' latency than it
+can ever save.
 
 The rest of the SLO (1 - budget_fraction) is left for queueing. When no B up to the bound
 meets (i), the policy takes the largest B whose service still fits the budget (most throughput
@@ -164,7 +170,8 @@ class SloPolicy:
     def _choose_timeout(self, size: int, demand: float, bounds: Bounds) -> float:
         fill = (size - 1) / demand  # the batcher is shared: the first item is there, B - 1 more to come
         allowed = max(0.0, self._latency_budget() - self._service(size))
-        return clamp_knob(bounds, "batch_timeout", min(fill, allowed))
+        fixed_cost = max(0.0, self.fit.intercept)
+        return clamp_knob(bounds, "batch_timeout", min(fill, fixed_cost, allowed))
 
     def _fit_text(self) -> str:
         return f"model ≈ {self.fit.intercept * 1000:.2f} ms + {self.fit.slope * 1000:.3f} ms × B"

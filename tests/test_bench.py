@@ -82,7 +82,11 @@ def test_modes_on_two_and_sixteen_cores():
         mode("turbo", 2)
     with pytest.raises(ValueError, match="unknown knob 'speed'"):
         mode("static:speed=3", 2)
-    assert all(k.process_count * k.threads_per_process <= 2 for k in oracle_candidates(2, quick=False))
+    grid = oracle_candidates(2, quick=False)
+    assert all(k.process_count * k.threads_per_process <= 2 for k in grid)
+    # the fixed modes' own configurations are candidates: the oracle cannot rank below them by construction
+    assert mode("multiprocess", 2).knobs in grid and mode("multithread", 2).knobs in grid
+    assert mode("multiprocess", 2).knobs in oracle_candidates(2, quick=True)
 
 
 def test_mode_lists_and_grids_parse():

@@ -351,7 +351,8 @@ def test_slo_picks_the_smallest_batch_meeting_the_arrival_rate_within_the_budget
 
     assert capacity(size) >= 500 * 1.2 > capacity(size - 1)
     assert size == 8
-    assert timeout == pytest.approx((size - 1) / 500, rel=0.05)  # time for the batcher to gather it
+    # the time to gather 8 (14 ms) is more than a batch's fixed cost (10 ms): wait no longer than that
+    assert timeout == pytest.approx(A, rel=0.05)
     assert timeout + (A + B * size) <= 0.2 * 0.5
     assert decision.knobs.process_count == 2  # left to other policies
 
@@ -376,7 +377,15 @@ def test_slo_can_leave_max_batch_size_to_another_policy():
     policy = slo(tune_batch_size=False)
     decision = feed_model(policy, Knobs(process_count=2, max_batch_size=32, batch_timeout=0.05), arrival=500.0)
     assert decision.knobs.max_batch_size == 32
-    assert decision.knobs.batch_timeout == pytest.approx(7 / 500, rel=0.05)  # to gather the 8 capacity needs
+    assert decision.knobs.batch_timeout == pytest.approx(A, rel=0.05)  # the fixed cost caps the wait for 8
+
+
+def test_slo_waits_for_a_batch_only_as_long_as_gathering_it_takes():
+    policy = slo()
+    decision = feed_model(policy, Knobs(process_count=2, max_batch_size=64, batch_timeout=0.05), arrival=300.0)
+    size = decision.knobs.max_batch_size
+    assert 1 < size and (size - 1) / 300 < A  # gathering is quicker than the fixed cost
+    assert decision.knobs.batch_timeout == pytest.approx((size - 1) / 300, rel=0.05)
 
 
 def test_slo_low_load_needs_no_wait():

@@ -119,7 +119,8 @@ def run_bench(args) -> int:
                     modes.update({n: mode(n, cores) for n in names if n not in modes})
                 for name in names:
                     if name == "oracle":
-                        probe = 1.3 * (limit["sentences_per_second"] if limit else max((r.max_qps for r in results), default=100.0) * 1.5)
+                        fixed = [r.max_qps for r in results if r.max_qps]
+                        probe = 1.1 * max(fixed) if fixed else 0.65 * (limit["sentences_per_second"] if limit else 150.0)
                         best, oracle_rows = oracle_sweep(grid or oracle_candidates(cores, args.quick), args.model, probe, 5.0 if args.quick else 8.0, args.slo, texts, args.seed, say)
                         m = Mode("oracle", best, description="best of the static sweep: " + describe(best))
                     else:

@@ -93,14 +93,15 @@ def describe(k: Knobs) -> str:
 
 
 def oracle_candidates(cores: int, quick: bool) -> list[Knobs]:
-    """The static grid the oracle sweep tries: layouts that fill the cores × batching knobs."""
+    """The static grid the oracle sweep tries: the two layouts that fill the cores (each with its
+    fixed mode's pre/post setting) × batching knobs, the fixed modes' own batching included."""
     n = max(1, cores)
-    layouts = sorted({(n, 1), (1, n)})
-    batches = (16, 64) if quick else (8, 16, 32, 64)
-    timeouts = (0.01,) if quick else (0.002, 0.02)
+    layouts = {(n, 1, 0), (1, n, 2)}
+    batches = (16, 64) if quick else (16, 32, 64)
+    timeouts = (SHIPPED.batch_timeout,) if quick else (0.002, SHIPPED.batch_timeout, 0.02)
     return [
-        SHIPPED.replace(process_count=p, threads_per_process=t, max_batch_size=b, batch_timeout=w, io_threads=2)
-        for p, t in layouts
+        SHIPPED.replace(process_count=p, threads_per_process=t, io_threads=io, max_batch_size=b, batch_timeout=w)
+        for p, t, io in sorted(layouts)
         for b in batches
         for w in timeouts
     ]
