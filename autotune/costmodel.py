@@ -66,8 +66,8 @@ class FittedCostModel:
     """The measurements it was fitted to (batch_size, padded_length, threads, processes, seconds)."""
     serving: dict = field(default_factory=dict)
     """Per-request costs outside the workers, measured on a live server by `selftune validate
-    --calibrate`: request_overhead_seconds, front_cpu_seconds_per_request, model_time_factor
-    (the simulator's defaults)."""
+    --calibrate`: request_overhead_seconds and model_time_factor (the simulator's defaults), and
+    front_cpu_seconds_per_request (reported; the busy model_time_factor already carries it)."""
 
     def service_time(self, batch_size: int, padded_length: int, threads: int, active_workers: int, cores: int) -> float:
         return float(

@@ -31,6 +31,9 @@ STAGE_HEADERS = {
 }
 """Stage timings the server reports per response (milliseconds), by the name results use."""
 
+BATCH_HEADER = "x-selftune-batch"
+"""The batch a response's input ran in: `items,rows,tokens per row`."""
+
 
 @dataclass(frozen=True, slots=True)
 class Result:
@@ -44,6 +47,8 @@ class Result:
     """Seconds the request left after its scheduled time (the generator's own delay)."""
     stages: dict[str, float] = field(default_factory=dict)
     """Server-reported stage times in seconds (preprocess, queue, model, server), when sent."""
+    batch: tuple[int, ...] = ()
+    """Server-reported batch (items, rows, tokens per row), when sent."""
 
 
 Body = bytes | Callable[[int], bytes]
@@ -116,9 +121,9 @@ async def _send_all(url: str, arrivals: list[float], body: Body, connections: in
         async def one(i: int, due: float) -> Result:
             payload = body(i) if callable(body) else body
             sent = time.monotonic()
-            status, stages = await _post(session, url, payload)
+            status, stages, batch = await _post(session, url, payload)
             done = time.monotonic()
-            return Result(due - started, status, done - due, sent - due, stages)
+            return Result(due - started, status, done - due, sent - due, stages, batch)
 
         tasks = []
         for i, offset in enumerate(arrivals):
@@ -130,15 +135,16 @@ async def _send_all(url: str, arrivals: list[float], body: Body, connections: in
         return list(await asyncio.gather(*tasks))
 
 
-async def _post(session: aiohttp.ClientSession, url: str, payload: bytes) -> tuple[int, dict[str, float]]:
+async def _post(session: aiohttp.ClientSession, url: str, payload: bytes) -> tuple[int, dict[str, float], tuple[int, ...]]:
     """POST once more if the server closed a keep-alive connection under us; status 0 if it fails."""
     for attempt in range(2):
         try:
             async with session.post(url, data=payload) as response:
                 await response.read()
                 stages = {name: float(response.headers[h]) / 1000 for name, h in STAGE_HEADERS.items() if h in response.headers}
-                return response.status, stages
+                batch = tuple(int(x) for x in response.headers.get(BATCH_HEADER, "").split(",") if x)
+                return response.status, stages, batch
         except (aiohttp.ClientError, asyncio.TimeoutError):
             if attempt == 0:
                 continue
-    return 0, {}
+    return 0, {}, ()

@@ -63,8 +63,9 @@ def register(subparsers) -> None:
     v.add_argument("--model", default="builtin:minilm")
     v.add_argument("--slo", type=float, default=0.5)
     _sim_arguments(v)
-    v.add_argument("--calibrate", action="store_true", help="first measure the per-request costs outside the workers on a light "
-                   "live load, write them into the cost model's `serving` section, and simulate with them")
+    v.add_argument("--calibrate", action="store_true", help="first measure what the simulator does not model on a live server (a "
+                   "light load, then --calibrate-rate), write it into the cost model's `serving` section, and simulate with it")
+    v.add_argument("--calibrate-rate", type=float, default=100.0, help="req/s of the busy calibration load: every worker busy, the server keeping up")
     v.add_argument("--out", help="directory for validate.json, validate.md and validate.png")
     v.add_argument("--json", action="store_true")
     v.set_defaults(run=run_validate, knobs_default="process_count=2,threads_per_process=1,max_batch_size=16,batch_timeout=0.005")
@@ -87,7 +88,6 @@ def sim_config(args, slo: float, knobs: Knobs | None = None, serving: dict | Non
     serving = serving or {}
     return SimConfig(
         request_overhead_seconds=float(serving.get("request_overhead_seconds", 0.0)),
-        front_cpu_seconds_per_request=float(serving.get("front_cpu_seconds_per_request", 0.0)),
         model_time_factor=float(serving.get("model_time_factor", 1.0)),
         knobs=knobs if knobs is not None else parse_knobs(args.knobs or getattr(args, "knobs_default", "")),
         cores=args.cores or len(os.sched_getaffinity(0)),
@@ -289,7 +289,8 @@ def run_validate(args) -> int:
         print(f"selftune validate: {exc}", file=sys.stderr)
         return 2
     if args.calibrate:
-        serving = calibrate(config.knobs, args.model, poisson(30.0, 15.0, length, seed=99), cost_model, config.cores, say)
+        light, busy = poisson(30.0, 15.0, length, seed=99), poisson(args.calibrate_rate, 15.0, length, seed=98)
+        serving = calibrate(config.knobs, args.model, light, busy, cost_model, config.cores, say)
         cost_model = dataclasses.replace(cost_model, serving=serving)
         cost_model.save(args.cost_model)
         say(f"wrote the serving costs into {args.cost_model}")

@@ -65,15 +65,9 @@ class SimConfig:
     pinned: frozenset = frozenset()
     request_overhead_seconds: float = 0.0
     """Latency each request spends outside the workers (HTTP, tokenizing, hand-offs, response)."""
-    front_cpu_seconds_per_request: float = 0.0
-    """CPU each request costs outside the workers (front process, a local client): at the
-    current arrival rate it takes that share of the cores away from them."""
     model_time_factor: float = 1.0
-    """A serving worker's batch time over the cost model's (measured by `validate --calibrate`)."""
-
-
-RATE_SECONDS = 1.0
-"""Time constant of the arrival-rate average that sets the front process's share of the cores."""
+    """A busy serving worker's batch time over the cost model's, the front process's and a local
+    client's share of the cores included (measured by `validate --calibrate`)."""
 
 
 @dataclass(slots=True)
@@ -239,8 +233,6 @@ class Simulation:
         self.knob_changes: list[tuple[float, Knobs]] = [(0.0, config.knobs)]
         self.core_seconds = 0.0
         self._last_t = 0.0
-        self._rate = 0.0
-        self._rate_at = 0.0
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -298,8 +290,6 @@ class Simulation:
     # ---- requests --------------------------------------------------------------------------
 
     def _on_arrival(self, i: int, now: float) -> None:
-        self._rate = self._arrival_rate(now) + 1.0 / RATE_SECONDS
-        self._rate_at = now
         if self.pending >= self.config.max_queued_requests:
             self.rejected[i] = True
             self.counters["rejected"] += 1
@@ -334,19 +324,8 @@ class Simulation:
         k = self.knobs
         rows, row_length = batch.shape(self.config.pack_row_tokens)
         seconds = self.cost.service_time(rows, row_length, k.threads_per_process, self._busy, self.config.cores)
-        seconds *= self._front_slowdown(now) * self.config.model_time_factor
+        seconds *= self.config.model_time_factor
         self._push(now + seconds, DONE, (worker.worker_id, batch, seconds))
-
-    def _arrival_rate(self, now: float) -> float:
-        """Arrivals per second, exponentially averaged over RATE_SECONDS."""
-        return self._rate * math.exp(-(now - self._rate_at) / RATE_SECONDS)
-
-    def _front_slowdown(self, now: float) -> float:
-        """Busy worker threads share what the front process leaves of the cores."""
-        cores = self.config.cores
-        front = min(cores - 0.5, self._arrival_rate(now) * self.config.front_cpu_seconds_per_request)
-        threads = min(cores, self._busy * self.knobs.threads_per_process)
-        return max(1.0, threads / (cores - front))
 
     def _on_done(self, worker_id: int, batch: Batch, seconds: float, now: float) -> None:
         worker = self.workers[worker_id]

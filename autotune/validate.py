@@ -12,9 +12,8 @@ import math
 import os
 import tempfile
 
-from autotune.bench.capacity import LadderConfig
 from autotune.bench.modes import Mode, describe
-from autotune.bench.runner import CapacityPlan, run_mode
+from autotune.bench.runner import run_mode
 
 THROUGHPUT_TOLERANCE = 0.10
 IDLE_SECONDS = 5.0
@@ -45,17 +44,19 @@ def compare(live: dict, sim: dict) -> dict:
     return out
 
 
-def calibrate(knobs, model: str, arrivals: list[tuple[float, int]], cost_model, cores: int, say) -> dict:
-    """Per-request costs outside the workers, measured on a live server at a light load.
+def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tuple[float, int]], cost_model, cores: int, say) -> dict:
+    """What the simulator does not model, measured on one live server: a light load, then a busy one.
 
-    request_overhead_seconds: median of (client latency - queue - model time) over the
-    requests, the time a request spends in HTTP, tokenizing, hand-offs and the response.
-    model_time_factor: median of a request's model time over the cost model's time for a batch
-    of one of its length (most batches at a light load hold one request): a serving worker
-    runs the same forward pass with colder caches than the profiler's tight loop.
-    front_cpu_seconds_per_request: CPU of the front process and of this client per request,
-    less what they use while idle; on a machine where the client runs beside the server both
-    take cores from the workers.
+    request_overhead_seconds (light load): median of (client latency - queue - model time),
+    the time a request spends in HTTP, tokenizing, hand-offs and the response.
+    front_cpu_seconds_per_request (light load, reported): CPU of the front process and of this
+    client per request, less what they use while idle.
+    model_time_factor (busy load): median of a request's model time over the cost model's time
+    for the batch it ran in (the server reports each batch's items, rows and row length), with
+    every worker busy. Under load a worker shares the cores with the front process and the
+    client, so this one factor carries their CPU too. Measured at a light load instead, it
+    comes out higher (1.45 at 30 req/s here, against 1.18 at 95 req/s: a worker that waits between requests runs
+    on cold caches), and simulating a busy server with it overstated every batch.
     """
     import json
     import time
@@ -67,8 +68,12 @@ def calibrate(knobs, model: str, arrivals: list[tuple[float, int]], cost_model, 
     from autotune.bench.inputs import sentence_of_tokens
     from autotune.bench.runner import MODEL_NAME, start_server, wait_idle, warm_up, RunLog, embed_body
 
+    def bodies_of(arrivals, offset):
+        return [json.dumps({"model": MODEL_NAME, "input": sentence_of_tokens(tokens, seed=offset + i), "encoding_format": "base64"}).encode()
+                for i, (_, tokens) in enumerate(arrivals)]
+
     mode = Mode("calibrate", knobs, description=describe(knobs))
-    bodies = [json.dumps({"model": MODEL_NAME, "input": sentence_of_tokens(tokens, seed=i), "encoding_format": "base64"}).encode() for i, (_, tokens) in enumerate(arrivals)]
+    light_bodies, busy_bodies = bodies_of(light, 0), bodies_of(busy, len(light))
     with tempfile.TemporaryDirectory() as workdir:
         server = start_server(mode, model, workdir)
         try:
@@ -85,26 +90,36 @@ def calibrate(knobs, model: str, arrivals: list[tuple[float, int]], cost_model, 
             time.sleep(IDLE_SECONDS)  # what the front's own threads (sampler, metrics) cost without requests
             idle_cores = (cpu_seconds() - cpu0) / (time.monotonic() - idle_from)
             cpu0, started = cpu_seconds(), time.monotonic()
-            results = loadgen.run(server.url, [t for t, _ in arrivals], lambda i: bodies[i])
+            light_results = loadgen.run(server.url, [t for t, _ in light], lambda i: light_bodies[i])
             wall = time.monotonic() - started
             cpu = max(0.0, cpu_seconds() - cpu0 - idle_cores * wall)
+            wait_idle(server.url)
+            busy_results = loadgen.run(server.url, [t for t, _ in busy], lambda i: busy_bodies[i])
         finally:
             server.stop()
-    ok = [(i, r) for i, r in enumerate(results) if r.status == 200 and "queue" in r.stages and "model" in r.stages]
-    if not ok:
+
+    def answered(results):
+        return [r for r in results if r.status == 200 and "queue" in r.stages and "model" in r.stages and len(r.batch) == 3]
+
+    light_ok, busy_ok = answered(light_results), answered(busy_results)
+    if not light_ok or not busy_ok:
         raise RuntimeError("calibration: no request answered with stage timings")
-    overhead = float(np.median([r.latency - r.stages["queue"] - r.stages["model"] for _, r in ok]))
-    # at a light load most batches hold one request: its model time against the profiled one
-    factor = float(np.median([r.stages["model"] / cost_model.service_time(1, arrivals[i][1], knobs.threads_per_process, 1, cores) for i, r in ok]))
+    overhead = float(np.median([r.latency - r.stages["queue"] - r.stages["model"] for r in light_ok]))
+    factor = float(np.median([
+        r.stages["model"] / cost_model.service_time(r.batch[1], r.batch[2], knobs.threads_per_process, knobs.process_count, cores)
+        for r in busy_ok
+    ]))
+    light_rate = len(light) / max(light[-1][0], 1e-9)
+    busy_rate = len(busy) / max(busy[-1][0], 1e-9)
     serving = {
         "request_overhead_seconds": overhead,
         "model_time_factor": factor,
-        "front_cpu_seconds_per_request": cpu / len(results),
-        "calibrated_with": f"{len(results)} requests at {len(results) / max(arrivals[-1][0], 1e-9):.1f}/s over {wall:.0f} s, {describe(knobs)}; "
-                           f"idle front + client {idle_cores:.3f} cores subtracted",
+        "front_cpu_seconds_per_request": cpu / len(light_results),
+        "calibrated_with": f"{describe(knobs)}; {len(light)} requests at {light_rate:.0f}/s (overhead, CPU; idle front + client "
+                           f"{idle_cores:.3f} cores subtracted), then {len(busy)} at {busy_rate:.0f}/s (model time)",
     }
-    say(f"calibration: {overhead * 1000:.2f} ms per request outside the workers, {serving['front_cpu_seconds_per_request'] * 1000:.2f} ms CPU (front + client), "
-        f"model time {factor:.2f} × the profiled one")
+    say(f"calibration: {overhead * 1000:.2f} ms per request outside the workers, {serving['front_cpu_seconds_per_request'] * 1000:.2f} ms CPU "
+        f"(front + client) at {light_rate:.0f}/s; busy at {busy_rate:.0f}/s, model time {factor:.2f} × the profiled one")
     return serving
 
 
@@ -113,13 +128,12 @@ def validate(workloads: list[tuple[str, list]], knobs, policy_path: str | None, 
     from autotune.simulator import simulate
     from policies.loader import load_policy
 
-    plan = CapacityPlan(LadderConfig(start=1.0), step_seconds=0.0, settle=0.0, warmup_seconds=0.0, slo=slo)
     mode = Mode("validate", knobs, autotune=policy_path is not None, description=describe(knobs))
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for label, arrivals in workloads:
             say(f"[{label}] live: {len(arrivals)} requests, {describe(knobs)}" + (f", policy {policy_path}" if policy_path else ""))
-            result, _ = run_mode(mode, model, plan, [], workdir, say, policy=policy_path, workload=arrivals)
+            result, _ = run_mode(mode, model, workdir, say, slo, workload=arrivals, policy=policy_path)
             live = result.workload
             sim = simulate(arrivals, cost_model, sim_config, load_policy(policy_path) if policy_path else None).summary()
             row = {"workload": label, "live": live, "sim": {k: v for k, v in sim.items() if k not in ("decisions", "knob_trajectory")},

@@ -537,12 +537,14 @@ class EngineCore:
         batch, slot, _ = handle.batches.pop(msg.batch_id)
         out = handle.shm.out(slot, len(batch.items))
         now = time.monotonic()
+        shape = (len(batch.items), *batch.shape(self.config.pack_row_tokens))
         for row, item in enumerate(batch.items):
             job = self.embed_jobs.get(item.request_id)
             if job is None:
                 continue  # cancelled while it ran
             job.vectors[item.index] = out[row]
-            job.model_seconds = max(job.model_seconds, msg.model_seconds)
+            if msg.model_seconds >= job.model_seconds:
+                job.model_seconds, job.batch = msg.model_seconds, shape
             job.remaining -= 1
             if job.remaining == 0:
                 del self.embed_jobs[item.request_id]
@@ -557,6 +559,7 @@ class EngineCore:
             queue=(job.first_dispatch or now) - job.submitted,
             model=job.model_seconds,
             total=now - job.created,
+            batch=job.batch,
         )
         for stage in ("preprocess", "queue", "model"):
             self.latency.record(stage, getattr(timings, stage))

@@ -40,6 +40,9 @@ class RequestTimings:
     queue: float
     model: float
     total: float
+    batch: tuple[int, int, int] = (0, 0, 0)
+    """The slowest batch the request ran in: (items, rows, tokens per row); rows < items when
+    it ran packed. The simulator's calibration reads it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,7 @@ class EmbedJob:
     submitted: float
     first_dispatch: float | None = None
     model_seconds: float = 0.0
+    batch: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ Clipper's batch-size controller (Crankshaw et al., NSDI 2017), fed with the samp
   >= fill_threshold × max_batch_size): max_batch_size + additive_step;
 - otherwise hold: a larger limit would not make the batches any larger.
 With `min_efficiency_gain`, a growth that did not raise the items per model-second by that
-share is undone and its size becomes a ceiling for `ceiling_seconds` (inputs of mixed lengths
+share (judged at the next decision after the cooldown, under the same process × thread layout)
+is undone and its size becomes a ceiling for `ceiling_seconds` (inputs of mixed lengths
 pad to the longest, so past some size a larger batch is slower per item).
 
 After every change the policy waits `cooldown_seconds` (by default one sampler window), so the
@@ -78,8 +79,10 @@ class AimdPolicy:
         self.params = params
         self.name = self.kind
         self._last_change: float | None = None
-        self._grown_from: tuple[int, float] | None = None
-        """(size, items per model-second there) before the last growth, to judge whether it paid."""
+        self._grown_from: tuple[int, float, tuple[int, int], float] | None = None
+        """(size, items per model-second there, (process_count, threads_per_process), when)
+        before the last growth, to judge whether it paid: only under the same layout, and only
+        at the next decision after the cooldown (later, the load it was measured at is gone)."""
         self._ceiling: tuple[int, float] | None = None
         """(size, until when): a size above which growing did not pay, for a while."""
 
@@ -145,7 +148,10 @@ class AimdPolicy:
         if model is None or not model.mean or observation.load.batch_size <= 0:
             return bigger, why
         efficiency = observation.load.batch_size / model.mean
+        layout = (knobs.process_count, knobs.threads_per_process)
         grown_from, self._grown_from = self._grown_from, None
+        if grown_from is not None and (grown_from[2] != layout or now - grown_from[3] > 2 * max(p.cooldown_seconds, 1.0)):
+            grown_from = None  # the workers or the load changed since: per-item times are not comparable
         if grown_from is not None and grown_from[0] < size and efficiency < grown_from[1] * (1 + p.min_efficiency_gain):
             self._ceiling = (grown_from[0], now + p.ceiling_seconds)
             back = knobs.replace(max_batch_size=grown_from[0])
@@ -153,7 +159,7 @@ class AimdPolicy:
                           f"growing did not pay (< +{p.min_efficiency_gain:.0%}); back, and no higher for {p.ceiling_seconds:g} s")
         if self._ceiling is not None and now < self._ceiling[1] and bigger.max_batch_size > self._ceiling[0]:
             return knobs, f"{why}, but {self._ceiling[0]} is the ceiling for {self._ceiling[1] - now:.0f} s more (larger batches did not pay)"
-        self._grown_from = (size, efficiency)
+        self._grown_from = (size, efficiency, layout, now)
         return bigger, f"{why} ({efficiency:.0f} items per model-second)"
 
     def _queueing_why(self, observation: Observation) -> str | None:

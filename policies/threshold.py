@@ -8,6 +8,10 @@ Each decision:
    case desired = the current process_count (no change inside the band). Using the *ready*
    workers' count keeps a scale-up that is still warming up from being counted twice: two ready
    workers at 0.95 ask for 3 whether or not the third is already starting.
+   With `backlog_per_worker`, a second metric as HPA takes several (the larger desired count
+   wins): the batcher's queue at the moment of the observation, desired = ceil(queue /
+   backlog_per_worker). A busy fraction averaged over the sampler's window shows a burst only
+   after several seconds; the queue shows it at once.
 3. stabilization: every desired value is remembered with its time. A scale-up goes to the
    MIN of the recommendations over the last `scale_up_stabilization_seconds` (all of them must
    ask for more), a scale-down to the MAX over the last `scale_down_stabilization_seconds` (the
@@ -58,6 +62,8 @@ class ThresholdParams(Params):
     """Observations with fewer ready workers carry no usable metric and are ignored (hold)."""
     spread_threads: bool = False
     """Also set threads_per_process to spread the allowed threads over the workers (step 6)."""
+    backlog_per_worker: float | None = Field(None, gt=0)
+    """Also want ceil(queued items / this) workers (step 2); None: the metric alone."""
 
 
 class ThresholdPolicy:
@@ -80,6 +86,10 @@ class ThresholdPolicy:
 
         value = self._metric(observation, ready)
         desired, comparison = self._desired(value, ready, current)
+        backlog = self._backlog_desired(observation)
+        if backlog > max(desired, current):
+            desired = backlog
+            comparison += f"; backlog {observation.load.queue_depth} queued > {p.backlog_per_worker:g} per worker"
         if self._first_seen is None:
             self._first_seen = now
         self._recommendations.append((now, desired))
@@ -101,6 +111,12 @@ class ThresholdPolicy:
         if self.params.metric == "busy_fraction":
             return observation.busy_fraction
         return observation.load.queue_depth / ready
+
+    def _backlog_desired(self, observation: Observation) -> int:
+        per_worker = self.params.backlog_per_worker
+        if per_worker is None:
+            return 0
+        return math.ceil(observation.load.queue_depth / per_worker - 1e-9)
 
     def _desired(self, value: float, ready: int, current: int) -> tuple[int, str]:
         p = self.params

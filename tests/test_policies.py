@@ -179,6 +179,18 @@ def test_threshold_on_queue_depth_per_worker():
     assert decision.reason.startswith("queue per worker 10.00 > target 4.00")
 
 
+def test_threshold_backlog_scales_up_before_the_busy_window_shows_the_burst():
+    two_cores = Bounds(process_count=(1, 2), threads_per_process=(1, 2))
+    knobs = Knobs(process_count=1, threads_per_process=2)
+    policy = threshold(target=0.75, spread_threads=True, backlog_per_worker=16)
+    calm = policy.decide(obs(0, busy=0.3, workers=1, queue_depth=10), knobs, two_cores)
+    assert calm.knobs == knobs  # 10 queued: no backlog, busy low
+    burst = policy.decide(obs(2, busy=0.3, workers=1, queue_depth=40), knobs, two_cores)
+    assert (burst.knobs.process_count, burst.knobs.threads_per_process) == (2, 1)
+    assert "backlog 40 queued > 16 per worker" in burst.reason
+    assert threshold(target=0.75).decide(obs(2, busy=0.3, workers=1, queue_depth=40), knobs, two_cores).knobs == knobs
+
+
 def test_threshold_scale_up_stabilization_takes_the_min_over_the_window():
     policy = threshold(target=0.7, scale_up_stabilization_seconds=10)
     knobs = Knobs(process_count=2)
@@ -276,7 +288,7 @@ def test_aimd_with_a_model_budget_grows_full_batches_when_queueing_breaks_the_sl
 
 
 def test_aimd_undoes_a_growth_that_did_not_pay_and_keeps_a_ceiling():
-    policy = aimd(min_efficiency_gain=0.02, ceiling_seconds=100, cooldown_seconds=0, additive_step=4)
+    policy = aimd(min_efficiency_gain=0.02, ceiling_seconds=100, cooldown_seconds=10, additive_step=4)
     knobs = Knobs(max_batch_size=8)
     # at 8: 8 items per 40 ms batch = 200 items per model-second; grows to 12
     knobs = policy.decide(obs(0, p99=0.2, batch_size=8, model_mean=0.040), knobs, BOUNDS).knobs
@@ -294,6 +306,26 @@ def test_aimd_undoes_a_growth_that_did_not_pay_and_keeps_a_ceiling():
     # without the check (Clipper's rule) it keeps growing
     plain = aimd(cooldown_seconds=0, additive_step=4)
     assert plain.decide(obs(0, p99=0.2, batch_size=16, model_mean=0.070), Knobs(max_batch_size=16), BOUNDS).knobs.max_batch_size == 20
+
+
+def test_aimd_does_not_judge_a_growth_across_a_layout_change():
+    policy = aimd(min_efficiency_gain=0.02, cooldown_seconds=0, additive_step=2)
+    one_by_two = Knobs(process_count=1, threads_per_process=2, max_batch_size=1)
+    grown = policy.decide(obs(0, p99=0.2, batch_size=1, model_mean=0.010), one_by_two, BOUNDS).knobs
+    assert grown.max_batch_size == 3
+    # meanwhile another policy went to 2 x 1: one thread per batch is slower per item, not the size
+    two_by_one = grown.replace(process_count=2, threads_per_process=1)
+    decision = policy.decide(obs(10, p99=0.2, batch_size=3, model_mean=0.045), two_by_one, BOUNDS)
+    assert decision.knobs.max_batch_size == 5 and "did not pay" not in decision.reason
+
+
+def test_aimd_does_not_judge_a_growth_long_after_it():
+    policy = aimd(min_efficiency_gain=0.02, cooldown_seconds=10, additive_step=3)
+    knobs = policy.decide(obs(0, p99=0.2, batch_size=3, model_mean=0.015), Knobs(max_batch_size=3), BOUNDS).knobs
+    assert knobs.max_batch_size == 6
+    # the burst ended before the next decision could judge it; 40 s later another burst, other batches
+    decision = policy.decide(obs(40, p99=0.2, batch_size=6, model_mean=0.060), knobs, BOUNDS)
+    assert decision.knobs.max_batch_size == 9 and "did not pay" not in decision.reason
 
 
 def test_aimd_uses_the_configured_stage():

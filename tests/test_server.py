@@ -109,6 +109,8 @@ def test_timing_headers_split_the_latency(server):
     parts = {k: float(response.headers[f"x-selftune-{k}-ms"]) for k in ("preprocess", "queue", "model", "total")}
     assert parts["model"] > 0
     assert parts["preprocess"] + parts["queue"] + parts["model"] <= parts["total"] + 0.5
+    items, rows, row_tokens = map(int, response.headers["x-selftune-batch"].split(","))
+    assert items >= 1 and 1 <= rows <= items and row_tokens >= 3  # "timed" is [CLS] timed [SEP] at least
 
 
 def test_admin_requires_the_token(server):

@@ -32,7 +32,7 @@ def test_validate_cli_calibrates_then_runs_live_and_simulated_side_by_side(tmp_p
     shutil.copy(os.path.join(ROOT, "configs", "costmodels", "epyc-2core-minilm.json"), cost_model)
     proc = subprocess.run(
         [sys.executable, "-m", "autotune.cli", "validate", "--rates", "10", "--seconds", "4", "--length", "16",
-         "--knobs", "process_count=1,max_batch_size=4", "--cost-model", str(cost_model), "--calibrate",
+         "--knobs", "process_count=1,max_batch_size=4", "--cost-model", str(cost_model), "--calibrate", "--calibrate-rate", "30",
          "--out", str(tmp_path / "out"), "--json"],
         capture_output=True, text=True, timeout=240,
     )

@@ -125,7 +125,10 @@ def run_bench(args) -> int:
                         m = Mode("oracle", best, description="best of the static sweep: " + describe(best))
                     else:
                         m = modes[name]
-                    result, log = run_mode(m, args.model, plan, texts, workdir, say, writer, args.policy, workload)
+                    result, log = run_mode(
+                        m, args.model, workdir, say, args.slo, plan=None if workload is not None else plan, texts=texts,
+                        workload=workload, writer=writer, policy=args.policy,
+                    )
                     results.append(result)
                     logs[name] = log
     finally:

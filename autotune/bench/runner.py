@@ -161,8 +161,22 @@ def warm_up(log: RunLog, rate: float, seconds: float, body) -> None:
     log.send([k / rate for k in range(int(rate * seconds))], body)
 
 
-def run_mode(mode: Mode, model: str, plan: CapacityPlan, texts: list[str], workdir: str, say: Say, writer=None, policy: str | None = None, workload=None) -> tuple[ModeResult, RunLog]:
-    """Start the mode's server, measure it (capacity, or a workload's arrivals), stop it."""
+def run_mode(
+    mode: Mode,
+    model: str,
+    workdir: str,
+    say: Say,
+    slo: float,
+    plan: CapacityPlan | None = None,
+    texts: list[str] = (),
+    workload: list[tuple[float, int]] | None = None,
+    writer=None,
+    policy: str | None = None,
+) -> tuple[ModeResult, RunLog]:
+    """Start the mode's server, measure it, stop it: its capacity (a `plan` and the `texts`)
+    or one workload's arrivals (time, input tokens)."""
+    if (plan is None) == (workload is None):
+        raise ValueError("run_mode measures either a capacity plan or a workload")
     say(f"[{mode.name}] starting: {mode.description}")
     server = start_server(mode, model, workdir, policy)
     log = RunLog(server.url)
@@ -176,7 +190,7 @@ def run_mode(mode: Mode, model: str, plan: CapacityPlan, texts: list[str], workd
         else:
             warm_up(log, 10.0, 2.0, embed_body(["a few words to warm the workers up"], 0))
             wait_idle(server.url)
-            result.workload = replay(log, workload, plan.slo, mode.name, say, writer)
+            result.workload = replay(log, workload, slo, mode.name, say, writer)
         result.memory_mib = server.memory_bytes() / 2**20
         result.final_knobs = httpx.get(server.url + "/stats", timeout=10).json()["knobs"]
         result.timeline = log.rows

@@ -166,6 +166,7 @@ def _timing_headers(timings) -> dict:
         "x-selftune-queue-ms": f"{timings.queue * 1000:.3f}",
         "x-selftune-model-ms": f"{timings.model * 1000:.3f}",
         "x-selftune-total-ms": f"{timings.total * 1000:.3f}",
+        "x-selftune-batch": "{},{},{}".format(*timings.batch),
     }
 
 
