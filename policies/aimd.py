@@ -68,6 +68,10 @@ class AimdParams(Params):
     per item past some size. None: always grow (Clipper)."""
     ceiling_seconds: float = Field(120.0, gt=0)
     """How long a size where growing did not pay stays the ceiling (then it is tried again)."""
+    shrink_below_busy: float | None = Field(None, gt=0, le=1)
+    """Over the SLO, shrink only while the workers' busy fraction is below this: a smaller batch
+    costs throughput, which saturated workers cannot give (their queue would grow instead).
+    None: shrink at any load (Clipper)."""
 
 
 class AimdPolicy:
@@ -100,6 +104,10 @@ class AimdPolicy:
         if latency.p99 > p.slo_p99_seconds:
             why = f"{p.stage} p99 {latency.p99:.3f} s > SLO {p.slo_p99_seconds:.3f} s"
             queueing = self._queueing_why(observation)
+            busy = observation.busy_fraction
+            if queueing is None and p.shrink_below_busy is not None and busy >= p.shrink_below_busy:
+                return Decision(knobs, f"{why}, but workers busy {busy:.2f} >= {p.shrink_below_busy:g}: a smaller batch would lose "
+                                       f"throughput they do not have; max_batch_size stays {size}")
             if queueing is None:
                 proposal = self._decrease(observation, knobs, bounds)
                 if proposal == knobs:

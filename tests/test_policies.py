@@ -328,6 +328,16 @@ def test_aimd_does_not_judge_a_growth_long_after_it():
     assert decision.knobs.max_batch_size == 9 and "did not pay" not in decision.reason
 
 
+def test_aimd_does_not_shrink_batches_that_saturated_workers_need():
+    knobs = Knobs(max_batch_size=64)
+    slow_batches = dict(p99=0.9, model_mean=0.35, batch_size=30.0)  # model p99 0.35 s > 0.5 × SLO
+    saturated = aimd(model_budget_fraction=0.5, shrink_below_busy=0.9).decide(obs(0, busy=0.97, **slow_batches), knobs, BOUNDS)
+    assert saturated.knobs.max_batch_size == 64 and "busy 0.97" in saturated.reason
+    headroom = aimd(model_budget_fraction=0.5, shrink_below_busy=0.9).decide(obs(0, busy=0.6, **slow_batches), knobs, BOUNDS)
+    assert headroom.knobs.max_batch_size < 64  # spare capacity: a smaller batch is affordable
+    assert aimd(model_budget_fraction=0.5).decide(obs(0, busy=0.97, **slow_batches), knobs, BOUNDS).knobs.max_batch_size < 64
+
+
 def test_aimd_uses_the_configured_stage():
     policy = aimd(stage="ttft")
     decision = policy.decide(obs(0, p99=5.0), Knobs(max_batch_size=16), BOUNDS)  # only "total" present
