@@ -20,16 +20,20 @@ log = logging.getLogger("selftune.engine")
 
 
 class EmbeddingRunner:
-    def __init__(self, model, device: str, pack_row_tokens: int = 0):
+    def __init__(self, model, device: str, pack_row_tokens: int = 0, vocab_size: int = 1000):
         self.model = model
         self.device = device
         self.pack_row_tokens = pack_row_tokens
         """Tokens per packed row; 0 runs every batch padded."""
+        self.vocab_size = vocab_size
+        self._checked = False
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, lengths: tuple[int, ...], out: np.ndarray) -> None:
         """Embed a padded (rows, length) int32 id matrix into `out` (rows, hidden), in place."""
         plan = packing.plan(lengths, self.pack_row_tokens)
+        if plan is not None and not self._checked and not self.check_packing():
+            plan = None
         vectors = self._padded(ids, lengths) if plan is None else self._packed(ids, lengths, plan)
         torch.from_numpy(out).copy_(F.normalize(vectors.float(), p=2, dim=1).cpu())
 
@@ -71,11 +75,15 @@ class EmbeddingRunner:
         sums.index_add_(0, flat[real], hidden.reshape(-1, hidden.shape[-1])[real])
         return sums / torch.tensor(lengths, dtype=hidden.dtype, device=self.device)[:, None]
 
-    def check_packing(self, vocab_size: int) -> bool:
+    def check_packing(self) -> bool:
         """Packed and padded agree on a mixed batch; if not (a model whose forward ignores a
-        4-D mask or position ids), packing is switched off for this runner and False returned."""
+        4-D mask or position ids), packing is switched off for this runner and False returned.
+        `run` asks once, before its first packed batch (not at start-up: the first packed
+        forward of a process is slow, and a worker that never packs should not pay for it)."""
+        self._checked = True
         if not self.pack_row_tokens:
             return False
+        vocab_size = self.vocab_size
         tolerance = 1e-4 if next(self.model.parameters()).dtype == torch.float32 else 3e-2
         lengths = (7, 3, 5, 2)
         rng = np.random.default_rng(0)

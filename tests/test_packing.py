@@ -75,7 +75,10 @@ class _IgnoresPositions(torch.nn.Module):
 
 
 def test_packing_switches_itself_off_for_a_model_it_would_get_wrong(model):
-    assert EmbeddingRunner(model, "cpu", 128).check_packing(30522)
-    runner = EmbeddingRunner(_IgnoresPositions(model), "cpu", 128)
-    assert not runner.check_packing(30522)
+    assert EmbeddingRunner(model, "cpu", 128, 30522).check_packing()
+    runner = EmbeddingRunner(_IgnoresPositions(model), "cpu", 128, 30522)
+    rng = np.random.default_rng(2)
+    batch = [list(rng.integers(1000, 20000, n)) for n in (3, 41, 17, 9)]
+    _embed(runner, batch)  # the first mixed batch runs the check, which switches packing off
     assert runner.pack_row_tokens == 0
+    assert not runner.check_packing()
