@@ -58,22 +58,16 @@ def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tupl
     comes out higher (1.45 at 30 req/s here, against 1.18 at 95 req/s: a worker that waits between requests runs
     on cold caches), and simulating a busy server with it overstated every batch.
     """
-    import json
     import time
 
     import numpy as np
     import psutil
 
     from autotune import loadgen
-    from autotune.bench.inputs import sentence_of_tokens
-    from autotune.bench.runner import MODEL_NAME, start_server, wait_idle, warm_up, RunLog, embed_body
-
-    def bodies_of(arrivals, offset):
-        return [json.dumps({"model": MODEL_NAME, "input": sentence_of_tokens(tokens, seed=offset + i), "encoding_format": "base64"}).encode()
-                for i, (_, tokens) in enumerate(arrivals)]
+    from autotune.bench.runner import RunLog, embed_body, start_server, token_bodies, wait_idle, warm_up
 
     mode = Mode("calibrate", knobs, description=describe(knobs))
-    light_bodies, busy_bodies = bodies_of(light, 0), bodies_of(busy, len(light))
+    light_bodies, busy_bodies = token_bodies(light), token_bodies(busy, len(light))
     with tempfile.TemporaryDirectory() as workdir:
         server = start_server(mode, model, workdir)
         try:

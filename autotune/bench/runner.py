@@ -200,11 +200,17 @@ def run_mode(
     return result, log
 
 
-def replay(log: RunLog, arrivals: list[tuple[float, int]], slo: float, label: str, say: Say, writer=None) -> dict:
-    """Send a workload's arrivals (time, input tokens) as one-text embedding requests."""
+def token_bodies(arrivals: list[tuple[float, int]], first_seed: int = 0) -> list[bytes]:
+    """One embedding request per arrival (time, input tokens): a seeded text of exactly that many tokens."""
     from autotune.bench.inputs import sentence_of_tokens
 
-    bodies = [json.dumps({"model": MODEL_NAME, "input": sentence_of_tokens(tokens, seed=i), "encoding_format": "base64"}).encode() for i, (_, tokens) in enumerate(arrivals)]
+    return [json.dumps({"model": MODEL_NAME, "input": sentence_of_tokens(tokens, seed=first_seed + i), "encoding_format": "base64"}).encode()
+            for i, (_, tokens) in enumerate(arrivals)]
+
+
+def replay(log: RunLog, arrivals: list[tuple[float, int]], slo: float, label: str, say: Say, writer=None) -> dict:
+    """Send a workload's arrivals (time, input tokens) as one-text embedding requests."""
+    bodies = token_bodies(arrivals)
     duration = arrivals[-1][0] if arrivals else 0.0
     results = log.send([t for t, _ in arrivals], lambda i: bodies[i], on_tick=Progress(label, duration, say))
     if writer is not None:
