@@ -23,6 +23,7 @@ extrapolates sensibly past the profiled grid:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -106,7 +107,24 @@ class FittedCostModel:
 
 def load_cost_model(path: str) -> FittedCostModel:
     with open(path, encoding="utf-8") as f:
-        return FittedCostModel.from_json(json.load(f))
+        model = FittedCostModel.from_json(json.load(f))
+    for name in SPREADS:
+        try:
+            check_percentiles(name, model.serving.get(name, ()))
+        except ValueError as exc:
+            raise ValueError(f"{path}: serving.{exc}") from None
+    return model
+
+
+SPREADS = ("request_overhead_percentiles", "model_time_percentiles")
+"""Serving distributions, as percentiles 0, 1, ..., 100 (`validate --calibrate` measures them)."""
+
+
+def check_percentiles(name: str, values) -> None:
+    """Empty, or 101 finite non-decreasing numbers (percentiles 0..100): the simulator draws from them."""
+    values = list(values)
+    if values and (len(values) != 101 or not all(math.isfinite(v) for v in values) or any(b < a for a, b in zip(values, values[1:]))):
+        raise ValueError(f"{name}: expected 101 finite non-decreasing values (percentiles 0..100), got {len(values)} values")
 
 
 def predict(theta: np.ndarray, B, L, threads, workers, cores: float) -> np.ndarray:

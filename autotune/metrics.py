@@ -1,13 +1,17 @@
 """GET /metrics: Prometheus text exposition, built at scrape time from what the engine keeps.
 
 A custom collector reads the engine's cumulative counters and latency histograms and the
-sampler's latest Observation, so serving a request costs no extra metric work.
+sampler's latest Observation, so serving a request costs no extra metric work. The front
+process's own series (process_*, python_gc_*, python_info) come from prometheus-client's
+standard collectors, as every Python exporter has them.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from prometheus_client import CollectorRegistry, generate_latest
+import gc
+
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -40,6 +44,7 @@ class SelftuneCollector(Collector):
             outcomes.add_metric([outcome], value)
         yield outcomes
         yield _counter("selftune_batches", "Batches sent to workers", c.batches)
+        yield _gauge("selftune_gc_frozen_objects", "Objects the front process froze out of garbage collection after start-up", gc.get_freeze_count())
         yield _counter("selftune_batch_items", "Items (inputs or sequences) sent in batches", c.items)
         yield _counter("selftune_padded_tokens", "Token slots in embedding batches, padding included", c.padded_tokens)
         yield _counter("selftune_real_tokens", "Input tokens in embedding batches", c.real_tokens)
@@ -159,6 +164,8 @@ class Metrics:
     def __init__(self, telemetry):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SelftuneCollector(telemetry))
+        for standard in (ProcessCollector, PlatformCollector, GCCollector):
+            standard(registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -55,7 +55,7 @@ def register(subparsers) -> None:
 
     v = subparsers.add_parser("validate", help="run workloads on a live server and in the simulator, side by side")
     v.add_argument("--workload", action="append", help="a workload spec (repeatable); default: Poisson at each of --rates")
-    v.add_argument("--rates", default="20,60,100,140", help="Poisson rates (req/s) for the default workloads, light to overload")
+    v.add_argument("--rates", default="20,60,100,140,180", help="Poisson rates (req/s) for the default workloads, light to overload")
     v.add_argument("--seconds", type=float, default=40.0, help="length of each default workload")
     v.add_argument("--length", default="16-64", help="input tokens of the default workloads and the calibration (N or LOW-HIGH)")
     v.add_argument("--policy", help="a policy file, for both sides (default: static knobs)")
@@ -89,6 +89,8 @@ def sim_config(args, slo: float, knobs: Knobs | None = None, serving: dict | Non
     return SimConfig(
         request_overhead_seconds=float(serving.get("request_overhead_seconds", 0.0)),
         model_time_factor=float(serving.get("model_time_factor", 1.0)),
+        request_overhead_percentiles=tuple(serving.get("request_overhead_percentiles", ())),
+        model_time_percentiles=tuple(serving.get("model_time_percentiles", ())),
         knobs=knobs if knobs is not None else parse_knobs(args.knobs or getattr(args, "knobs_default", "")),
         cores=args.cores or len(os.sched_getaffinity(0)),
         slo_seconds=slo,
@@ -157,10 +159,14 @@ def run_simulate(args) -> int:
     from autotune.simulator import plot_timeline, simulate
     from policies.loader import load_policy
 
-    arrivals = load_workload(args.workload)
-    policy = load_policy(args.policy)
-    cost_model = load_cost_model(args.cost_model)
-    config = sim_config(args, args.slo, serving=cost_model.serving)
+    try:
+        arrivals = load_workload(args.workload)
+        policy = load_policy(args.policy)
+        cost_model = load_cost_model(args.cost_model)
+        config = sim_config(args, args.slo, serving=cost_model.serving)
+    except (ValueError, OSError) as exc:  # a PolicyError is a ValueError
+        print(f"selftune simulate: {exc}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     result = simulate(arrivals, cost_model, config, policy)
     wall = time.perf_counter() - started

@@ -22,6 +22,7 @@ from autotune.placement_topology import machine_topology
 from autotune.settings import ServerConfig
 from autotune.telemetry import Telemetry
 from engine.engine import Engine
+from engine.heap import freeze_startup_heap
 from engine.http.app import create_app
 from engine.placement import PlacementError, validate_explicit
 from monitors.gpu import GpuMonitor
@@ -104,6 +105,7 @@ def serve(config: ServerConfig) -> int:
         return 1
     app, telemetry, controller = build_app(engine, config, gpu)
     telemetry.start()
+    freeze_startup_heap()
     _print_banner(config, engine, controller)
     server = _Server(
         uvicorn.Config(

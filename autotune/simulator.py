@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autotune.controller import ControllerConfig, DecisionLoop
-from autotune.costmodel import CostModel
+from autotune.costmodel import SPREADS, CostModel, check_percentiles
 from autotune.guardrails import MachineLimits
 from engine import packing
 from engine.batcher import Batch, Item
@@ -32,6 +32,8 @@ from monitors.observation import Latency, Load, Observation, WorkerObservation
 from monitors.window import SnapshotWindow
 
 READY, DONE, WAKE, SAMPLE = range(4)
+QUANTILE_LEVELS = np.linspace(0.0, 1.0, 101)
+"""Where the *_percentiles fields of SimConfig sit: percentiles 0, 1, ..., 100."""
 COUNTERS = ("requests", "completed", "rejected", "batches", "items", "real_tokens", "padded_tokens")
 
 
@@ -68,6 +70,19 @@ class SimConfig:
     model_time_factor: float = 1.0
     """A busy serving worker's batch time over the cost model's, the front process's and a local
     client's share of the cores included (measured by `validate --calibrate`)."""
+    request_overhead_percentiles: tuple[float, ...] = ()
+    """Percentiles 0..100 of the overhead (101 values): each request draws its own from them.
+    Empty: every request takes request_overhead_seconds."""
+    model_time_percentiles: tuple[float, ...] = ()
+    """Percentiles 0..100 of the busy batch time over the cost model's: each batch draws its
+    factor from them, so the simulated tail has the live one's spread (GC, the front's bursts,
+    neighbours on the host). Empty: every batch takes model_time_factor."""
+    seed: int = 0
+    """Seeds those draws: the same config and arrivals give the same run."""
+
+    def __post_init__(self):
+        for name in SPREADS:
+            check_percentiles(name, getattr(self, name))
 
 
 @dataclass(slots=True)
@@ -233,6 +248,11 @@ class Simulation:
         self.knob_changes: list[tuple[float, Knobs]] = [(0.0, config.knobs)]
         self.core_seconds = 0.0
         self._last_t = 0.0
+        self._rng = np.random.default_rng(config.seed)
+        self.overhead = (
+            np.interp(self._rng.random(n), QUANTILE_LEVELS, config.request_overhead_percentiles)
+            if config.request_overhead_percentiles else np.full(n, config.request_overhead_seconds)
+        )
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -324,7 +344,8 @@ class Simulation:
         k = self.knobs
         rows, row_length = batch.shape(self.config.pack_row_tokens)
         seconds = self.cost.service_time(rows, row_length, k.threads_per_process, self._busy, self.config.cores)
-        seconds *= self.config.model_time_factor
+        spread = self.config.model_time_percentiles
+        seconds *= float(np.interp(self._rng.random(), QUANTILE_LEVELS, spread)) if spread else self.config.model_time_factor
         self._push(now + seconds, DONE, (worker.worker_id, batch, seconds))
 
     def _on_done(self, worker_id: int, batch: Batch, seconds: float, now: float) -> None:
@@ -333,10 +354,9 @@ class Simulation:
         worker.busy_seconds += seconds
         self._busy -= 1
         self.scheduler.router.complete(worker_id, batch.batch_id)
-        answered = now + self.config.request_overhead_seconds
         for item in batch.items:
             r = item.request_id
-            self.done[r] = answered
+            self.done[r] = answered = now + self.overhead[r]
             self.pending -= 1
             self.counters["completed"] += 1
             if self.sampler is not None:

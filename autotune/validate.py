@@ -51,12 +51,14 @@ def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tupl
     the time a request spends in HTTP, tokenizing, hand-offs and the response.
     front_cpu_seconds_per_request (light load, reported): CPU of the front process and of this
     client per request, less what they use while idle.
-    model_time_factor (busy load): median of a request's model time over the cost model's time
-    for the batch it ran in (the server reports each batch's items, rows and row length), with
-    every worker busy. Under load a worker shares the cores with the front process and the
-    client, so this one factor carries their CPU too. Measured at a light load instead, it
-    comes out higher (1.45 at 30 req/s here, against 1.18 at 95 req/s: a worker that waits between requests runs
-    on cold caches), and simulating a busy server with it overstated every batch.
+    model_time_factor (busy load): median of a batch's model time over the cost model's time
+    for it (the server reports each batch's items, rows and row length), with every worker
+    busy. Under load a worker shares the cores with the front process and the client, so this
+    one factor carries their CPU too. Measured at a light load instead, it comes out higher
+    (1.45 at 30 req/s here, against 1.18 at 95 req/s: a worker that waits between requests
+    runs on cold caches), and simulating a busy server with it overstated every batch.
+    request_overhead_percentiles, model_time_percentiles: the whole distributions, which the
+    simulator draws from; a deterministic batch time left its p99 25–30 % short of the live one.
     """
     import time
 
@@ -98,23 +100,36 @@ def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tupl
     light_ok, busy_ok = answered(light_results), answered(busy_results)
     if not light_ok or not busy_ok:
         raise RuntimeError("calibration: no request answered with stage timings")
-    overhead = float(np.median([r.latency - r.stages["queue"] - r.stages["model"] for r in light_ok]))
-    factor = float(np.median([
-        r.stages["model"] / cost_model.service_time(r.batch[1], r.batch[2], knobs.threads_per_process, knobs.process_count, cores)
-        for r in busy_ok
-    ]))
+    overheads = [r.latency - r.stages["queue"] - r.stages["model"] for r in light_ok]
+    batches = {(r.stages["model"], r.batch): r for r in busy_ok}  # the requests of one batch report the same model time
+    factors = [
+        model / cost_model.service_time(batch[1], batch[2], knobs.threads_per_process, knobs.process_count, cores)
+        for model, batch in batches
+    ]
     light_rate = len(light) / max(light[-1][0], 1e-9)
     busy_rate = len(busy) / max(busy[-1][0], 1e-9)
     serving = {
-        "request_overhead_seconds": overhead,
-        "model_time_factor": factor,
+        "request_overhead_seconds": float(np.median(overheads)),
+        "model_time_factor": float(np.median(factors)),
+        "request_overhead_percentiles": percentiles(overheads),
+        "model_time_percentiles": percentiles(factors),
         "front_cpu_seconds_per_request": cpu / len(light_results),
         "calibrated_with": f"{describe(knobs)}; {len(light)} requests at {light_rate:.0f}/s (overhead, CPU; idle front + client "
-                           f"{idle_cores:.3f} cores subtracted), then {len(busy)} at {busy_rate:.0f}/s (model time)",
+                           f"{idle_cores:.3f} cores subtracted), then {len(busy)} at {busy_rate:.0f}/s ({len(batches)} batches: model time)",
     }
+    overhead, factor = serving["request_overhead_seconds"], serving["model_time_factor"]
+    spread = serving["model_time_percentiles"]
     say(f"calibration: {overhead * 1000:.2f} ms per request outside the workers, {serving['front_cpu_seconds_per_request'] * 1000:.2f} ms CPU "
-        f"(front + client) at {light_rate:.0f}/s; busy at {busy_rate:.0f}/s, model time {factor:.2f} × the profiled one")
+        f"(front + client) at {light_rate:.0f}/s; busy at {busy_rate:.0f}/s, model time {factor:.2f} × the profiled one "
+        f"(p10 {spread[10]:.2f}, p90 {spread[90]:.2f}, p99 {spread[99]:.2f})")
     return serving
+
+
+def percentiles(values) -> list[float]:
+    """Percentiles 0, 1, ..., 100 of `values`: what the simulator draws from (SimConfig.*_percentiles)."""
+    import numpy as np
+
+    return [float(v) for v in np.percentile(np.asarray(values, float), np.arange(101))]
 
 
 def validate(workloads: list[tuple[str, list]], knobs, policy_path: str | None, cost_model, sim_config, model: str, slo: float, say) -> list[dict]:

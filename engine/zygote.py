@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 
 from engine import messages as m
+from engine.heap import freeze_startup_heap
 
 log = logging.getLogger("selftune.zygote")
 
@@ -40,6 +41,7 @@ def main(argv: list[str]) -> int:
     except Exception:
         conn.send(m.ZygoteFailed(traceback.format_exc()))
         return 1
+    freeze_startup_heap()
     conn.send(m.ZygoteLoaded(device, dtype_name))
     while True:
         try:

@@ -120,6 +120,12 @@ def test_metrics_parse_and_follow_prometheus_names(server):
     workers = {s.labels["worker"] for s in families["selftune_worker_resident_memory_bytes"].samples}
     assert len(workers) == 2
     assert not [n for n in families if n.startswith("selftune_gpu_")]  # no GPU here: no GPU series
+    # the front process's own series, as prometheus-client's standard collectors give them
+    front_rss = psutil.Process(server.proc.pid).memory_info().rss
+    assert abs(families["process_resident_memory_bytes"].samples[0].value - front_rss) <= 0.1 * front_rss
+    assert {s.labels["generation"] for s in families["python_gc_collections"].samples} == {"0", "1", "2"}
+    # start-up froze the imports and the app out of the collector (engine/heap.py)
+    assert families["selftune_gc_frozen_objects"].samples[0].value > 10_000
 
 
 def test_no_gpu_is_reported_not_an_error(server):

@@ -17,6 +17,7 @@ from engine.batcher import Batcher, Item
 from engine.config import Knobs
 from policies.loader import load_policy, policy_from_spec
 
+COST_MODEL = "configs/costmodels/epyc-2core-minilm.json"
 AZURE = str(Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "azure_llm_conv_2023.csv")
 
 
@@ -57,6 +58,40 @@ def test_serving_costs_outside_the_workers_add_latency_and_stretch_batches():
     assert (slower.done - slower.arrival).max() == pytest.approx(0.03, rel=0.01)
     loaded = simulate(arrivals, DeterministicCostModel(0.02), SimConfig(**two, model_time_factor=1.5))
     assert loaded.summary()["latency_seconds"]["p99"] > 1.2 * base.summary()["latency_seconds"]["p99"]
+
+
+def test_measured_spreads_are_drawn_from_seeded():
+    arrivals = poisson(60, 200, length=16, seed=2)
+    two = dict(knobs=Knobs(process_count=2, max_batch_size=1, batch_timeout=0.0), startup_seconds=0.0, cores=2)
+    fixed = simulate(arrivals, DeterministicCostModel(0.02), SimConfig(**two, model_time_factor=1.2, request_overhead_seconds=0.004))
+    flat = simulate(arrivals, DeterministicCostModel(0.02), SimConfig(**two, model_time_percentiles=(1.2,) * 101, request_overhead_percentiles=(0.004,) * 101))
+    assert flat.done == pytest.approx(fixed.done)  # a distribution of one value is the fixed factor
+    # the same median, a tail as live batch times have it: percentile q of the factor 1 + 0.4·(q/100)^8
+    spread = tuple(1.0 + 0.4 * (q / 100) ** 8 for q in range(101))
+    drawn = [simulate(arrivals, DeterministicCostModel(0.02), SimConfig(**two, model_time_percentiles=spread, seed=seed)) for seed in (0, 0, 1)]
+    assert drawn[0].done == pytest.approx(drawn[1].done)  # the seed decides every draw
+    assert drawn[0].done != pytest.approx(drawn[2].done)
+    median = simulate(arrivals, DeterministicCostModel(0.02), SimConfig(**two, model_time_factor=spread[50]))
+    assert drawn[0].summary()["latency_seconds"]["p99"] > 1.1 * median.summary()["latency_seconds"]["p99"]
+    with pytest.raises(ValueError, match="model_time_percentiles"):
+        SimConfig(model_time_percentiles=(1.0, 0.9) + (1.0,) * 99)
+
+
+def test_a_cost_model_with_a_bad_spread_is_refused_with_its_file_and_key(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    model = json.loads(Path(__file__).parent.parent.joinpath(COST_MODEL).read_text())
+    model["serving"]["model_time_percentiles"] = [1.0, 2.0]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(model))
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "simulate", "--workload", "poisson:rate=5,duration=10", "--cost-model", str(bad)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
+    )
+    assert proc.returncode == 2
+    assert f"{bad}: serving.model_time_percentiles: expected 101" in proc.stderr
 
 
 def reference_batches(arrivals, max_batch_size: int, timeout: float) -> list[tuple[tuple[int, ...], float]]:

@@ -51,6 +51,9 @@ def test_validate_cli_calibrates_then_runs_live_and_simulated_side_by_side(tmp_p
     assert 0.0005 < serving["request_overhead_seconds"] < 0.1
     assert 0.0 < serving["front_cpu_seconds_per_request"] < 0.05
     assert 0.5 < serving["model_time_factor"] < 3.0
+    spread = serving["model_time_percentiles"]  # the distribution the simulator draws batch times from
+    assert len(spread) == 101 and spread == sorted(spread) and spread[0] <= serving["model_time_factor"] <= spread[100]
+    assert math.isclose(serving["request_overhead_percentiles"][50], serving["request_overhead_seconds"])
     assert result["rows"][0]["sim"]["latency_seconds"]["p50"] > serving["request_overhead_seconds"]
 
 
