@@ -34,7 +34,7 @@ from monitors.window import SnapshotWindow
 READY, DONE, WAKE, SAMPLE = range(4)
 QUANTILE_LEVELS = np.linspace(0.0, 1.0, 101)
 """Where the *_percentiles fields of SimConfig sit: percentiles 0, 1, ..., 100."""
-COUNTERS = ("requests", "completed", "rejected", "batches", "items", "real_tokens", "padded_tokens")
+COUNTERS = ("requests", "completed", "rejected", "batches", "items", "real_tokens", "padded_tokens", "batches_done", "model_seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +134,7 @@ class SimSampler:
                 rejected_rate=change["rejected"] / elapsed,
                 batch_size=change["items"] / change["batches"] if change["batches"] else 0.0,
                 batch_fill=change["real_tokens"] / change["padded_tokens"] if change["padded_tokens"] else 1.0,
+                batch_seconds=change["model_seconds"] / change["batches_done"] if change["batches_done"] else 0.0,
                 items_rate=change["items"] / elapsed,
                 **common,
             )
@@ -352,6 +353,8 @@ class Simulation:
         worker = self.workers[worker_id]
         worker.running = None
         worker.busy_seconds += seconds
+        self.counters["batches_done"] += 1
+        self.counters["model_seconds"] += seconds
         self._busy -= 1
         self.scheduler.router.complete(worker_id, batch.batch_id)
         for item in batch.items:

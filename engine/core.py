@@ -551,6 +551,8 @@ class EngineCore:
                 self.counters.completed += 1
                 job.future.set_result(self._embed_result(job, now))
         handle.free_slots.append(slot)
+        self.counters.batches_done += 1
+        self.counters.model_seconds += msg.model_seconds
         self._finish_work(handle, msg.batch_id, len(batch.items), msg.model_seconds)
 
     def _embed_result(self, job: EmbedJob, now: float) -> EmbedResult:

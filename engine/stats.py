@@ -26,6 +26,10 @@ class Counters:
     padded_tokens: int = 0
     """Token slots the forward passes computed: rows × row length, padding included."""
     generated_tokens: int = 0
+    batches_done: int = 0
+    """Embedding batches the workers finished."""
+    model_seconds: float = 0.0
+    """Worker time those batches took, summed."""
     requeued_items: int = 0
     workers_started: int = 0
     worker_deaths: int = 0

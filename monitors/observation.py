@@ -48,6 +48,10 @@ class Load:
     """Mean items per batch over the window."""
     batch_fill: float = 1.0
     """Real tokens / padded tokens over the window (1.0 = no padding)."""
+    batch_seconds: float = 0.0
+    """Mean worker time of one batch over the window (0 when none finished). With batch_size it
+    is a per-batch pair; latency["model"] is per request, so it weighs a batch by its items and,
+    when batch sizes mix, pairs a small mean size with the time of the big batches."""
     items_rate: float = 0.0
     tokens_per_second: float = 0.0
     """Generated tokens per second (generation only)."""

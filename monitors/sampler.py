@@ -31,6 +31,8 @@ COUNTERS = (
     "real_tokens",
     "padded_tokens",
     "generated_tokens",
+    "batches_done",
+    "model_seconds",
 )
 
 
@@ -39,7 +41,7 @@ class EngineReading:
     """One cumulative reading of the engine (and the HTTP layer in front of it).
 
     `stats` needs: counters (requests, completed, failed, batches, items, real_tokens,
-    padded_tokens, generated_tokens), queue_depth, oldest_wait_seconds, pending_requests,
+    padded_tokens, generated_tokens, batches_done, model_seconds), queue_depth, oldest_wait_seconds, pending_requests,
     and workers with worker_id, pid, state, load, busy_seconds. `latency` maps a stage to
     (cumulative bucket counts, sum of seconds) over the buckets `upper_bounds`.
     """
@@ -117,6 +119,7 @@ class Sampler:
             failed_rate=rate["failed"],
             batch_size=change["items"] / change["batches"] if change["batches"] else 0.0,
             batch_fill=change["real_tokens"] / change["padded_tokens"] if change["padded_tokens"] else 1.0,
+            batch_seconds=change["model_seconds"] / change["batches_done"] if change["batches_done"] else 0.0,
             items_rate=rate["items"],
             tokens_per_second=rate["generated_tokens"],
             **common,

@@ -15,9 +15,10 @@ Clipper's batch-size controller (Crankshaw et al., NSDI 2017), fed with the samp
   >= fill_threshold × max_batch_size): max_batch_size + additive_step;
 - otherwise hold: a larger limit would not make the batches any larger.
 With `min_efficiency_gain`, a growth that did not raise the items per model-second by that
-share (judged at the next decision after the cooldown, under the same process × thread layout)
-is undone and its size becomes a ceiling for `ceiling_seconds` (inputs of mixed lengths
-pad to the longest, so past some size a larger batch is slower per item).
+share (judged at the next decision after the cooldown, under the same process × thread layout,
+whether or not the latency then meets the SLO) is undone and its size becomes a ceiling for
+`ceiling_seconds` (inputs of mixed lengths pad to the longest, so past some size a larger batch
+is slower per item; long inputs gain nothing from batching at all).
 
 After every change the policy waits `cooldown_seconds` (by default one sampler window), so the
 next decision reads latencies measured under the new batch size, not the old one.
@@ -63,8 +64,8 @@ class AimdParams(Params):
     size × this): a backlog wants throughput now, not one step per cooldown (TCP's slow start)."""
     min_efficiency_gain: float | None = Field(None, ge=0)
     """Grow only while it pays: after a growth, if the items per model-second (mean batch size /
-    mean model time) did not rise by this share, go back to the previous size and stay at or
-    below it for `ceiling_seconds`. Padding makes larger batches of mixed-length inputs slower
+    mean batch time, both over batches) did not rise by this share, go back to the previous size
+    and stay at or below it for `ceiling_seconds`. Padding makes larger batches of mixed-length inputs slower
     per item past some size. None: always grow (Clipper)."""
     ceiling_seconds: float = Field(120.0, gt=0)
     """How long a size where growing did not pay stays the ceiling (then it is tried again)."""
@@ -100,6 +101,13 @@ class AimdPolicy:
         count = latency.count if latency else 0
         if latency is None or latency.p99 is None or count < p.min_requests:
             return Decision(knobs, f"{count} {p.stage} latencies in the window (< {p.min_requests}): max_batch_size stays {size}")
+        failed = self._judge_growth(observation, knobs)
+        if failed is not None:
+            back, why = knobs.replace(max_batch_size=failed[0]), failed[1]
+            if latency.p99 > p.slo_p99_seconds and self._queueing_why(observation) is None:
+                back = back.replace(max_batch_size=min(failed[0], self._decrease(observation, knobs, bounds).max_batch_size))
+            self._last_change = now
+            return Decision(back, f"{why}: {describe_changes(knobs, back)}")
 
         if latency.p99 > p.slo_p99_seconds:
             why = f"{p.stage} p99 {latency.p99:.3f} s > SLO {p.slo_p99_seconds:.3f} s"
@@ -141,8 +149,8 @@ class AimdPolicy:
         return Decision(proposal, f"{why}: {changes}")
 
     def _grow(self, observation: Observation, knobs: Knobs, bounds: Bounds, why: str, factor: float = 1.0) -> tuple[Knobs, str]:
-        """max_batch_size + additive_step (or × factor when that is more), unless the last
-        growth did not pay (see min_efficiency_gain)."""
+        """max_batch_size + additive_step (or × factor when that is more), not past a ceiling
+        where growing did not pay (see min_efficiency_gain); records where it grew from."""
         p = self.params
         size = knobs.max_batch_size
         grown = max(size + p.additive_step, math.ceil(size * factor))
@@ -151,24 +159,37 @@ class AimdPolicy:
             return knobs, f"{why}: at the bound"
         if p.min_efficiency_gain is None:
             return bigger, why
-        now = observation.time
-        model = observation.load.latency.get("model")
-        if model is None or not model.mean or observation.load.batch_size <= 0:
+        if self._ceiling is not None and observation.time < self._ceiling[1] and bigger.max_batch_size > self._ceiling[0]:
+            return knobs, f"{why}, but {self._ceiling[0]} is the ceiling for {self._ceiling[1] - observation.time:.0f} s more (larger batches did not pay)"
+        load = observation.load
+        if load.batch_size <= 0 or load.batch_seconds <= 0:
             return bigger, why
-        efficiency = observation.load.batch_size / model.mean
-        layout = (knobs.process_count, knobs.threads_per_process)
-        grown_from, self._grown_from = self._grown_from, None
-        if grown_from is not None and (grown_from[2] != layout or now - grown_from[3] > 2 * max(p.cooldown_seconds, 1.0)):
-            grown_from = None  # the workers or the load changed since: per-item times are not comparable
-        if grown_from is not None and grown_from[0] < size and efficiency < grown_from[1] * (1 + p.min_efficiency_gain):
-            self._ceiling = (grown_from[0], now + p.ceiling_seconds)
-            back = knobs.replace(max_batch_size=grown_from[0])
-            return back, (f"{why}, but {efficiency:.0f} items per model-second at {size} vs {grown_from[1]:.0f} at {grown_from[0]}: "
-                          f"growing did not pay (< +{p.min_efficiency_gain:.0%}); back, and no higher for {p.ceiling_seconds:g} s")
-        if self._ceiling is not None and now < self._ceiling[1] and bigger.max_batch_size > self._ceiling[0]:
-            return knobs, f"{why}, but {self._ceiling[0]} is the ceiling for {self._ceiling[1] - now:.0f} s more (larger batches did not pay)"
-        self._grown_from = (size, efficiency, layout, now)
+        efficiency = load.batch_size / load.batch_seconds  # items per second of worker time
+        self._grown_from = (size, efficiency, (knobs.process_count, knobs.threads_per_process), observation.time)
         return bigger, f"{why} ({efficiency:.0f} items per model-second)"
+
+    def _judge_growth(self, observation: Observation, knobs: Knobs) -> tuple[int, str] | None:
+        """(the size before it, why) when the last growth, judged now, did not raise the items
+        per model-second by min_efficiency_gain; that size becomes the ceiling for a while.
+        Judged once, at the first decision after the growth's cooldown, whichever way the
+        latency went: a growth that broke the SLO and did not pay either is not retried at once
+        (when only growths that met the SLO were judged, 420-token inputs, which gain nothing
+        from batching, went 1 → 3 → 1 every ~25 s, over the SLO each time)."""
+        p = self.params
+        grown_from, self._grown_from = self._grown_from, None
+        load = observation.load
+        if p.min_efficiency_gain is None or grown_from is None or load.batch_size <= 0 or load.batch_seconds <= 0:
+            return None
+        before, before_efficiency, layout, when = grown_from
+        now, size = observation.time, knobs.max_batch_size
+        if layout != (knobs.process_count, knobs.threads_per_process) or now - when > 2 * max(p.cooldown_seconds, 1.0):
+            return None  # the workers or the load changed since: per-item times are not comparable
+        efficiency = load.batch_size / load.batch_seconds
+        if before >= size or efficiency >= before_efficiency * (1 + p.min_efficiency_gain):
+            return None
+        self._ceiling = (before, now + p.ceiling_seconds)
+        return before, (f"{efficiency:.0f} items per model-second at {size} vs {before_efficiency:.0f} at {before}: growing did not "
+                        f"pay (< +{p.min_efficiency_gain:.0%}); back, and no higher for {p.ceiling_seconds:g} s")
 
     def _queueing_why(self, observation: Observation) -> str | None:
         """Why the time over the SLO is queueing rather than batch time; None when it is not."""

@@ -4,7 +4,12 @@ Online model of one batch's time in the model, fitted by exponentially weighted 
 squares (old points fade by `forgetting_factor` per observation):
 
     service(B) ≈ a + b × B        B = mean items per batch (load.batch_size)
-                                  service = load.latency["model"].mean
+                                  service = mean worker time per batch (load.batch_seconds)
+
+Both are means over batches. The per-request model latency would not do: it weighs each batch
+by its items, so a window of many single-item batches and a few full ones pairs a small B with
+the full batches' time, and the fitted intercept (which caps the wait, below) comes out far
+above a batch's fixed cost.
 
 The Observation carries no token counts per item, so x is items per batch, not tokens per batch:
 the fit is right for a stable input-length mix and drifts (through forgetting) when it changes.
@@ -138,9 +143,9 @@ class SloPolicy:
         model = load.latency.get("model")
         if self._last_fitted_time is not None and observation.time <= self._last_fitted_time:
             return
-        if model is None or model.mean is None or model.count < self.params.min_requests or load.batch_size <= 0:
+        if model is None or model.count < self.params.min_requests or load.batch_size <= 0 or load.batch_seconds <= 0:
             return
-        self.fit.update(load.batch_size, model.mean)
+        self.fit.update(load.batch_size, load.batch_seconds)
         self._recent_sizes.append(load.batch_size)
         self._last_fitted_time = observation.time
 

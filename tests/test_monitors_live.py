@@ -75,6 +75,9 @@ def test_latency_percentiles_agree_with_the_clients_own(server):
         assert abs(ours - theirs) <= max(0.10 * theirs, 0.002), (key, ours, theirs)
     assert set(obs["load"]["latency"]) >= {"preprocess", "queue", "model", "postprocess", "total"}
     assert 1.0 <= obs["load"]["batch_size"] <= 8.0
+    # one batch's mean worker time: within the range of the per-request model times
+    model = obs["load"]["latency"]["model"]
+    assert 0 < obs["load"]["batch_seconds"] <= model["p99"] * 1.01
 
 
 def test_worker_rss_and_cpu_agree_with_psutil_from_outside(server):

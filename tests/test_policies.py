@@ -39,6 +39,7 @@ def obs(
     items_rate: float | None = None,
     batch_size: float = 0.0,
     model_mean: float | None = None,
+    batch_seconds: float | None = None,
     queue_depth: int = 0,
 ) -> Observation:
     """An Observation with `workers` workers (the first `ready` of them ready, all at `busy`)."""
@@ -56,6 +57,7 @@ def obs(
         queue_depth=queue_depth,
         latency=latency,
         batch_size=batch_size,
+        batch_seconds=(model_mean or 0.0) if batch_seconds is None else batch_seconds,
     )
     states = ["ready"] * ready + ["starting"] * (workers - ready)
     return Observation(
@@ -308,6 +310,19 @@ def test_aimd_undoes_a_growth_that_did_not_pay_and_keeps_a_ceiling():
     assert plain.decide(obs(0, p99=0.2, batch_size=16, model_mean=0.070), Knobs(max_batch_size=16), BOUNDS).knobs.max_batch_size == 20
 
 
+def test_aimd_judges_a_growth_that_broke_the_slo_too():
+    """Long inputs gain nothing from batching: 1 -> 3 makes each batch 3 x slower and breaks the
+    SLO. Cutting back without judging the growth would retry it at the next good window."""
+    policy = aimd(min_efficiency_gain=0.02, ceiling_seconds=100, cooldown_seconds=10, additive_step=2, model_budget_fraction=0.5)
+    knobs = policy.decide(obs(0, p99=0.3, batch_size=1, model_mean=0.100), Knobs(max_batch_size=1), BOUNDS).knobs
+    assert knobs.max_batch_size == 3
+    # at 3: 2 items per 200 ms batch = 10 items per model-second, as at 1: it did not pay
+    decision = policy.decide(obs(10, p99=0.8, batch_size=2, model_mean=0.300, batch_seconds=0.200), knobs, BOUNDS)
+    assert decision.knobs.max_batch_size == 1 and "did not pay" in decision.reason
+    held = policy.decide(obs(20, p99=0.3, batch_size=1, model_mean=0.100), decision.knobs, BOUNDS)
+    assert held.knobs.max_batch_size == 1 and "ceiling" in held.reason
+
+
 def test_aimd_does_not_judge_a_growth_across_a_layout_change():
     policy = aimd(min_efficiency_gain=0.02, cooldown_seconds=0, additive_step=2)
     one_by_two = Knobs(process_count=1, threads_per_process=2, max_batch_size=1)
@@ -380,6 +395,21 @@ def test_slo_recovers_the_batch_latency_model():
     feed_model(policy, Knobs(process_count=2))
     assert policy.fit.intercept == pytest.approx(A, rel=0.03)
     assert policy.fit.slope == pytest.approx(B, rel=0.03)
+
+
+def test_slo_fits_batch_time_per_batch_not_per_request():
+    """The per-request model latency weighs a batch by its items: with mixed sizes its mean is the
+    big batches' time, paired with a small mean size. The fit takes the per-batch mean."""
+    policy = slo()
+    rng = random.Random(2)
+    for i in range(40):
+        small, full = rng.randint(5, 15), rng.randint(1, 4)  # batches of 1 and of 32 in one window
+        size = (small + 32 * full) / (small + full)
+        per_batch = (small * (A + B) + full * (A + 32 * B)) / (small + full)
+        per_request = (small * (A + B) + full * 32 * (A + 32 * B)) / (small + 32 * full)
+        policy.decide(obs(i, arrival=500, batch_size=size, model_mean=per_request, batch_seconds=per_batch), Knobs(process_count=2), BOUNDS)
+    assert policy.fit.intercept == pytest.approx(A, rel=0.05)
+    assert policy.fit.slope == pytest.approx(B, rel=0.05)
 
 
 def test_slo_picks_the_smallest_batch_meeting_the_arrival_rate_within_the_budget():

@@ -94,6 +94,16 @@ def test_a_cost_model_with_a_bad_spread_is_refused_with_its_file_and_key(tmp_pat
     assert f"{bad}: serving.model_time_percentiles: expected 101" in proc.stderr
 
 
+def test_the_simulated_sampler_reports_the_mean_time_of_one_batch():
+    arrivals = poisson(40, 30, length=16, seed=3)
+    config = SimConfig(knobs=Knobs(process_count=2, max_batch_size=8, batch_timeout=0.01), startup_seconds=0.0, cores=2)
+    sim = Simulation(arrivals, DeterministicCostModel(0.02), config, load_policy(str(Path(__file__).resolve().parents[1] / "configs" / "policies" / "static.yaml")))
+    result = sim.run()
+    load = sim.sampler.sample(result.end_time + 0.5).load
+    assert load.batch_size > 1.0  # several sizes of batch, each of which takes 20 ms
+    assert load.batch_seconds == pytest.approx(0.02)
+
+
 def reference_batches(arrivals, max_batch_size: int, timeout: float) -> list[tuple[tuple[int, ...], float]]:
     """engine.batcher.Batcher driven directly, as the live core does when a worker always has room:
     after each arrival, and whenever the next batch falls due, pop what is due."""
