@@ -29,6 +29,7 @@ from engine.batcher import Batch, Item
 from engine.config import INFLIGHT_BATCHES, Bounds, Knobs
 from engine.scheduler import Scheduler
 from monitors.observation import Latency, Load, Observation, WorkerObservation
+from monitors.sampler import batch_figures
 from monitors.window import SnapshotWindow
 
 READY, DONE, WAKE, SAMPLE = range(4)
@@ -132,10 +133,8 @@ class SimSampler:
                 arrival_rate=change["requests"] / elapsed,
                 completion_rate=change["completed"] / elapsed,
                 rejected_rate=change["rejected"] / elapsed,
-                batch_size=change["items"] / change["batches"] if change["batches"] else 0.0,
-                batch_fill=change["real_tokens"] / change["padded_tokens"] if change["padded_tokens"] else 1.0,
-                batch_seconds=change["model_seconds"] / change["batches_done"] if change["batches_done"] else 0.0,
                 items_rate=change["items"] / elapsed,
+                **batch_figures(change),
                 **common,
             )
         return Observation(time=now, window_seconds=self.window_seconds, load=load, workers=self._workers(now))

@@ -101,7 +101,7 @@ def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tupl
     if not light_ok or not busy_ok:
         raise RuntimeError("calibration: no request answered with stage timings")
     overheads = [r.latency - r.stages["queue"] - r.stages["model"] for r in light_ok]
-    batches = {(r.stages["model"], r.batch): r for r in busy_ok}  # the requests of one batch report the same model time
+    batches = {(r.stages["model"], r.batch) for r in busy_ok}  # the requests of one batch report the same model time
     factors = [
         model / cost_model.service_time(batch[1], batch[2], knobs.threads_per_process, knobs.process_count, cores)
         for model, batch in batches

@@ -14,8 +14,7 @@ from __future__ import annotations
 import gc
 
 
-def freeze_startup_heap() -> int:
-    """Collect what start-up left behind, then freeze the rest; returns the frozen count."""
+def freeze_startup_heap() -> None:
+    """Collect what start-up left behind, then freeze the rest."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()

@@ -36,6 +36,15 @@ COUNTERS = (
 )
 
 
+def batch_figures(change: dict) -> dict:
+    """Load's per-batch figures from counter changes over a window (the simulator's sampler uses it too)."""
+    return {
+        "batch_size": change["items"] / change["batches"] if change["batches"] else 0.0,
+        "batch_fill": change["real_tokens"] / change["padded_tokens"] if change["padded_tokens"] else 1.0,
+        "batch_seconds": change["model_seconds"] / change["batches_done"] if change["batches_done"] else 0.0,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class EngineReading:
     """One cumulative reading of the engine (and the HTTP layer in front of it).
@@ -117,11 +126,9 @@ class Sampler:
             rejected_rate=rate["rejected"],
             timed_out_rate=rate["timed_out"],
             failed_rate=rate["failed"],
-            batch_size=change["items"] / change["batches"] if change["batches"] else 0.0,
-            batch_fill=change["real_tokens"] / change["padded_tokens"] if change["padded_tokens"] else 1.0,
-            batch_seconds=change["model_seconds"] / change["batches_done"] if change["batches_done"] else 0.0,
             items_rate=rate["items"],
             tokens_per_second=rate["generated_tokens"],
+            **batch_figures(change),
             **common,
         )
 
