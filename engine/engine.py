@@ -27,7 +27,7 @@ from engine.config import EngineConfig, Knobs
 from engine.core import EngineCore
 from engine.io_pool import IOPool
 from engine.jobs import EmbedJob, EngineClosed, GenerateJob, InputTooLong, TokenStream
-from engine.loading import ModelInfo, load_tokenizer, model_info
+from engine.loading import ModelInfo, load_tokenizer, model_info, token_ids
 from engine.model_source import ModelSource, resolve_model
 from engine.stats import EngineStats, LatencyHistograms
 
@@ -193,8 +193,7 @@ class Engine:
 
     def _tokenize_and_submit(self, texts: list[str], future: Future, created: float) -> None:
         try:
-            encoded = self.tokenizer(texts, add_special_tokens=True, truncation=False, verbose=False)
-            self._submit_embed(encoded["input_ids"], future, created)
+            self._submit_embed(token_ids(self.tokenizer, texts), future, created)
         except Exception as exc:
             future.set_exception(exc)
 

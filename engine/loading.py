@@ -66,6 +66,22 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's token ids, special tokens added, nothing truncated or padded.
+
+    A fast tokenizer's Rust backend is called directly: transformers' `__call__` around it
+    (argument checks, a BatchEncoding) costs as much CPU again per request, in the front
+    process that shares the cores with the workers. The backend is used only while it has no
+    truncation or padding set (transformers' own call clears both when asked for none).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return tokenizer(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+    if len(texts) == 1:
+        return [backend.encode(texts[0], add_special_tokens=True).ids]
+    return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=True)]
+
+
 def model_info(path: str, tokenizer) -> ModelInfo:
     from transformers import AutoConfig, GenerationConfig
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -10,9 +11,11 @@ import pytest
 
 from autotune import loadgen
 from autotune.bench.capacity import LadderConfig, RateLadder, judge, poisson_arrivals
+from autotune.bench.cli import verdicts
 from autotune.bench.echo import generator_check
+from autotune.bench.limit import limit_at_batch
 from autotune.bench.modes import SEED_DEFAULTS, mode, oracle_candidates
-from autotune.bench.runner import RunLog, capacity, CapacityPlan
+from autotune.bench.runner import CapacityPlan, ModeResult, RunLog, capacity
 from autotune.bench.server import ServerProcess
 from autotune.loadgen import Result
 
@@ -60,6 +63,31 @@ def test_judge_skips_the_settling_part_and_needs_the_p99_and_the_200s():
     rejected = [Result(t / 10, 429 if t % 20 == 0 else 200, 0.05) for t in range(100)]
     step = judge(rejected, 10, 0.0, 10, slo=0.5, cpu_cores=1.0)
     assert not step.passed and step.ok_fraction == pytest.approx(0.95)
+
+
+def test_judge_averages_the_batch_size_over_forward_passes_not_requests():
+    # one pass of 8 (reported by its 8 requests) and 8 passes of 1: 9 passes, 16 items
+    results = [Result(i / 10, 200, 0.05, batch=(8, 1, 40)) for i in range(8)] + [Result(1 + i / 10, 200, 0.05, batch=(1, 1, 12)) for i in range(8)]
+    assert judge(results, 10, 0.0, 10, slo=0.5, cpu_cores=1.0).batch_items == pytest.approx(16 / 9)
+    assert math.isnan(judge([Result(0.0, 200, 0.05)], 10, 0.0, 10, slo=0.5, cpu_cores=1.0).batch_items)
+
+
+def test_limit_at_a_batch_size_interpolates_the_best_layout():
+    table = {"1x2": {"1": 90.0, "8": 150.0, "16": 180.0, "64": 200.0}, "2x1": {"1": 140.0, "8": 160.0, "16": 160.0, "64": 230.0}}
+    assert limit_at_batch(table, 12) == pytest.approx(165.0)  # 1x2 between 8 and 16 beats 2x1's flat 160
+    assert limit_at_batch(table, 40) == pytest.approx(195.0)  # 2x1: 160 + (230 - 160) / 2
+    assert limit_at_batch(table, 1) == pytest.approx(140.0)
+    assert limit_at_batch({"2x1": {1: 100.0, 64: 300.0}}, 200) == pytest.approx(300.0)  # no extrapolation
+
+
+def test_verdicts_set_the_best_mode_against_the_limit_at_the_batch_it_ran():
+    limit = {"sentences_per_second": 200.0, "table": {"2x1": {"1": 100.0, "16": 150.0, "64": 200.0}}}
+    best = ModeResult("autotuned", "", {}, {}, max_qps=140.0, at_max={"batch_items": 16.0})
+    other = ModeResult("multiprocess", "", {}, {}, max_qps=120.0, at_max={})
+    lines = verdicts([other, best], limit)
+    assert lines[0] == "best served mode autotuned: 140 req/s = 0.70 × limit (200/s)"
+    assert lines[1] == "at the batch size it ran at that rate (16.0 items per forward), the in-process limit is 150/s: 0.93 × that"
+    assert "at the batch size" not in " ".join(verdicts([best.__class__("autotuned", "", {}, {}, max_qps=140.0, at_max={})], limit))
 
 
 def test_poisson_arrivals_are_seeded_and_at_the_rate():

@@ -93,6 +93,31 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_stays_healthy(server
     assert ok.status_code == 200
 
 
+def test_fast_path_and_fastapi_route_answer_embeddings_alike(server):
+    """With Content-Length a request takes the fast path; chunked, it takes the FastAPI route."""
+    bodies = [
+        {"model": MODEL, "input": ["same answer", "either way"], "encoding_format": "base64"},
+        {"model": MODEL, "input": "floats"},
+        {"model": "gpt-4", "input": "a"},
+        {"model": MODEL, "input": ["a"] * 17},
+        {"model": MODEL, "input": ""},
+        {"model": MODEL, "input": [[1, 2, 10**9]]},
+    ]
+    for body in bodies:
+        raw = json.dumps(body).encode()
+        fast = httpx.post(server.url + "/v1/embeddings", content=raw, headers={"content-type": "application/json"}, timeout=30)
+        routed = httpx.post(server.url + "/v1/embeddings", content=iter([raw]), headers={"content-type": "application/json"}, timeout=30)
+        assert "content-length" not in routed.request.headers
+        assert fast.status_code == routed.status_code, (body, fast.text, routed.text)
+        if fast.status_code != 200:
+            assert fast.json() == routed.json()
+            continue
+        a, b = fast.json(), routed.json()
+        assert a["usage"] == b["usage"] and [d["index"] for d in a["data"]] == [d["index"] for d in b["data"]]
+        vectors = [[np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") if isinstance(d["embedding"], str) else np.array(d["embedding"]) for d in r["data"]] for r in (a, b)]
+        assert np.abs(np.array(vectors[0]) - np.array(vectors[1])).max() < 1e-5
+
+
 def test_health_ready_and_stats(server):
     assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/readyz")

@@ -96,6 +96,9 @@ class StepResult:
     """The generator's own p99 delay in sending (it must stay far below the latencies)."""
     stages: dict[str, float]
     """Mean server-reported stage times (seconds) of the judged 200s."""
+    batch_items: float = math.nan
+    """Mean items per forward pass the judged 200s ran in (from their x-selftune-batch header;
+    one text per request, so a batch of k was reported by k requests). NaN when not reported."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -128,7 +131,14 @@ def judge(results: list[Result], offered: float, judged_from: float, seconds: fl
         cpu_cores=cpu_cores,
         lag_p99=float(np.percentile([r.lag for r in results], 99)) if results else 0.0,
         stages=stages,
+        batch_items=mean_batch_items(ok),
     )
+
+
+def mean_batch_items(results: list[Result]) -> float:
+    """Items per forward pass, averaged over the passes (not the requests) single-text requests ran in."""
+    sizes = [r.batch[0] for r in results if r.batch]
+    return len(sizes) / sum(1.0 / k for k in sizes) if sizes else math.nan
 
 
 def measure_step(

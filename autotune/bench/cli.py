@@ -13,6 +13,7 @@ plots and requests.csv with every request); with --json the last stdout line is 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -20,6 +21,7 @@ import time
 
 from autotune.bench import report
 from autotune.bench.capacity import LadderConfig
+from autotune.bench.limit import limit_at_batch
 from autotune.bench.modes import STANDARD_MODES, Mode, describe, mode, oracle_candidates, parse_grid
 from autotune.bench.runner import (
     CapacityPlan,
@@ -206,6 +208,13 @@ def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
     best = max(results, key=lambda r: r.max_qps, default=None)
     if best is not None and limit:
         lines.append(f"best served mode {best.mode}: {best.max_qps:.0f} req/s = {best.max_qps / limit['sentences_per_second']:.2f} × limit ({limit['sentences_per_second']:.0f}/s)")
+        batch = (best.at_max or {}).get("batch_items", math.nan)
+        if math.isfinite(batch):
+            at_batch = limit_at_batch(limit["table"], batch)
+            lines.append(
+                f"at the batch size it ran at that rate ({batch:.1f} items per forward), the in-process limit is "
+                f"{at_batch:.0f}/s: {best.max_qps / at_batch:.2f} × that"
+            )
     tuned = [r for r in results if r.mode.startswith("autotuned")]
     if "oracle" in by:
         for r in tuned:

@@ -12,6 +12,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 
 def _child_setup(threads: int):
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -106,6 +108,19 @@ class Limit:
     batch_size: int
     table: dict[str, dict[int, float]]
     """Sentences/s per layout ("PxT") and batch size."""
+
+
+def limit_at_batch(table: dict[str, dict[int, float]], batch: float) -> float:
+    """Sentences/s of the best layout at `batch` items per forward, linear between measured sizes.
+
+    What the in-process forward gives at the batch size a served mode actually ran: under a
+    latency SLO the server cannot wait for the large batches the plain limit is measured at.
+    """
+    best = 0.0
+    for row in table.values():
+        sizes = sorted(int(b) for b in row)
+        best = max(best, float(np.interp(batch, sizes, [row[b] if b in row else row[str(b)] for b in sizes])))
+    return best
 
 
 def measure_limit(path: str, texts: list[str], cores: int, batch_sizes=(1, 8, 16, 32, 64), duration: float = 2.0, say=lambda msg: None) -> Limit:

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from engine.engine import Engine
 from engine.http import admin_routes, errors, openai_routes, ops_routes
+from engine.http.fast_path import EmbeddingsFastPath
 from engine.http.limits import BodySizeLimit
 from engine.http.state import ServerLimits, ServerState
 from engine.http.timing import RequestTiming
@@ -41,6 +42,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(ops_routes.router)
     app.include_router(admin_routes.router)
+    app.add_middleware(EmbeddingsFastPath, state=state)  # innermost: inside the size limit and the timing
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
     app.add_middleware(RequestTiming, latency=engine.latency)
     return app

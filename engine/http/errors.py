@@ -32,6 +32,10 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
+def api_error_response(exc: APIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+
 def as_api_error(exc: BaseException) -> APIError:
     """The API error for an engine exception (anything unexpected is a 500, logged by caller)."""
     if isinstance(exc, APIError):
@@ -63,7 +67,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install(app) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+        return api_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -11,7 +11,8 @@ from contextlib import asynccontextmanager
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
 
 from engine.engine import GenerationParams
 from engine.http.detokenize import Detokenizer
@@ -83,17 +84,18 @@ async def admitted(state: ServerState):
         ticket.release()
 
 
-async def _until_disconnect(request: Request) -> None:
+async def _until_disconnect(receive: Receive) -> None:
+    """Returns when the client goes away (`receive` is the request's, its body already read)."""
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
 
-async def _await_result(request: Request, state: ServerState, future, request_id_of):
+async def _await_result(receive: Receive, state: ServerState, future, request_id_of):
     """Wait for an engine future; on deadline (504) or client disconnect, drop the work."""
     result = asyncio.wrap_future(future)
-    watcher = asyncio.ensure_future(_until_disconnect(request))
+    watcher = asyncio.ensure_future(_until_disconnect(receive))
     try:
         done, _ = await asyncio.wait({result, watcher}, timeout=state.limits.request_timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -114,7 +116,14 @@ async def _await_result(request: Request, state: ServerState, future, request_id
 
 @router.post("/embeddings")
 async def create_embeddings(body: EmbeddingRequest, request: Request):
-    state = state_of(request)
+    return await embeddings(state_of(request), body, request.receive)
+
+
+async def embeddings(state: ServerState, body: EmbeddingRequest, receive: Receive) -> Response:
+    """The endpoint's work, shared by the route and `EmbeddingsFastPath`; errors raise APIError.
+
+    `receive` is the request's ASGI receive, its body already read: a disconnect drops the work.
+    """
     _check_model(state, body.model)
     _check_task(state, "embed")
     inputs = body.input
@@ -136,7 +145,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
                 future = engine.embed(inputs)
             else:
                 future = engine.embed_tokens(inputs)
-            result = await _await_result(request, state, future, lambda: getattr(future, "request_id", None))
+            result = await _await_result(receive, state, future, lambda: getattr(future, "request_id", None))
         except (EngineError, ValueError) as exc:
             raise as_api_error(exc) from None
         shaped = time.monotonic()
@@ -306,7 +315,7 @@ async def _next_event(events: asyncio.Queue, deadline: float):
 
 async def _whole(request: Request, state: ServerState, completion: _Completion, events: asyncio.Queue):
     deadline = time.monotonic() + state.limits.request_timeout
-    watcher = asyncio.ensure_future(_until_disconnect(request))
+    watcher = asyncio.ensure_future(_until_disconnect(request.receive))
     parts = []
     try:
         while not completion.done:
