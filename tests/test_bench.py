@@ -13,7 +13,7 @@ from autotune import loadgen
 from autotune.bench.capacity import LadderConfig, RateLadder, judge, poisson_arrivals
 from autotune.bench.cli import verdicts
 from autotune.bench.echo import generator_check
-from autotune.bench.limit import limit_at_batch
+from autotune.bench.limit import limit_at_batch, measure_limit
 from autotune.bench.modes import SEED_DEFAULTS, mode, oracle_candidates
 from autotune.bench.runner import CapacityPlan, ModeResult, RunLog, capacity
 from autotune.bench.server import ServerProcess
@@ -78,6 +78,17 @@ def test_limit_at_a_batch_size_interpolates_the_best_layout():
     assert limit_at_batch(table, 40) == pytest.approx(195.0)  # 2x1: 160 + (230 - 160) / 2
     assert limit_at_batch(table, 1) == pytest.approx(140.0)
     assert limit_at_batch({"2x1": {1: 100.0, 64: 300.0}}, 200) == pytest.approx(300.0)  # no extrapolation
+
+
+def test_measure_limit_measures_the_winning_cell_again():
+    from conftest import minilm_dir
+
+    lines = []
+    limit = measure_limit(minilm_dir(), [f"sentence {i} for the limit" for i in range(40)], cores=2, batch_sizes=(1, 4), duration=0.3, say=lines.append)
+    assert set(limit.table) == {"1x2", "2x1"} and all(set(row) == {1, 4} for row in limit.table.values())
+    assert limit.swept == max(v for row in limit.table.values() for v in row.values())
+    assert limit.swept == limit.table[f"{limit.processes}x{limit.threads}"][limit.batch_size]
+    assert limit.sentences_per_second > 0 and f"again for 0.9 s: {limit.sentences_per_second:.0f}/s" in lines[-1]
 
 
 def test_verdicts_set_the_best_mode_against_the_limit_at_the_batch_it_ran():

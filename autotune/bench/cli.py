@@ -197,7 +197,7 @@ def measure_limit_row(args, texts: list[str], cores: int, say) -> dict:
     say(f"limit: {source.name} in-process (tokenize + forward + pool), no server")
     limit = measure_limit(source.path, texts, cores, duration=1.0 if args.quick else 2.0, say=say)
     say(f"limit: {limit.sentences_per_second:.0f} sentences/s ({limit.processes} × {limit.threads}, batch {limit.batch_size})")
-    return {"sentences_per_second": limit.sentences_per_second, "processes": limit.processes, "threads": limit.threads,
+    return {"sentences_per_second": limit.sentences_per_second, "swept": limit.swept, "processes": limit.processes, "threads": limit.threads,
             "batch_size": limit.batch_size, "table": {k: {str(b): v for b, v in t.items()} for k, t in limit.table.items()}}
 
 
