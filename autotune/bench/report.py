@@ -16,22 +16,23 @@ def _ms(seconds) -> str:
 def capacity_table(results: list[ModeResult], limit: dict | None, slo: float) -> str:
     """Markdown: per mode max QPS within the SLO and, at that rate, latency, memory, CPU."""
     lines = [
-        f"| mode | configuration | max QPS (p99 ≤ {slo * 1000:.0f} ms) | mean latency (ms) | p99 latency (ms) | memory, all processes (MiB) | CPU (cores) | knobs at the end |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| mode | configuration | max QPS (p99 ≤ {slo * 1000:.0f} ms) | mean latency (ms) | p99 latency (ms) | items per forward | memory, all processes (MiB) | CPU (cores) | knobs at the end |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         at = r.at_max or {}
         knobs = r.final_knobs
-        end = f"{knobs.get('process_count')}×{knobs.get('threads_per_process')}, batch {knobs.get('max_batch_size')}, {knobs.get('batch_timeout', 0) * 1000:g} ms" if knobs else ""
+        end = f"{knobs.get('process_count')}×{knobs.get('threads_per_process')}, batch {knobs.get('max_batch_size')}, {knobs.get('batch_timeout', 0) * 1000:.3g} ms" if knobs else ""
         cpu = at.get("cpu_cores")
+        batch = at.get("batch_items", math.nan)
         lines.append(
             f"| {r.mode} | {r.description} | **{r.max_qps:.0f}** | {_ms(at.get('mean'))} | {_ms(at.get('p99'))} | "
-            f"{r.memory_mib:.0f} | {'–' if cpu is None else f'{cpu:.2f}'} | {end} |"
+            f"{f'{batch:.1f}' if math.isfinite(batch) else '–'} | {r.memory_mib:.0f} | {'–' if cpu is None else f'{cpu:.2f}'} | {end} |"
         )
     if limit is not None:
         lines.append(
             f"| limit | in-process, no server: {limit['processes']} × {limit['threads']}, batch {limit['batch_size']} | "
-            f"**{limit['sentences_per_second']:.0f}** | | | | | |"
+            f"**{limit['sentences_per_second']:.0f}** | | | {limit['batch_size']} | | | |"
         )
     return "\n".join(lines)
 
