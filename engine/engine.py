@@ -245,7 +245,7 @@ class Engine:
         short, e.g. hand the event to an event loop).
         """
         self._check_open()
-        prompt_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self.prompt_ids(prompt)
         self.check_generation(prompt_ids, params.max_tokens)
         request_id = next(self._ids)
         stream = TokenStream(request_id, len(prompt_ids))
@@ -262,6 +262,10 @@ class Engine:
         job = GenerateJob(request_id, Item(request_id, 0, len(prompt_ids), now, payload), stream, now)
         self._core.call(self._core.submit_generate, job).result()
         return stream
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A generation prompt's token ids: a text is tokenized, ids are taken as they are."""
+        return token_ids(self.tokenizer, [prompt])[0] if isinstance(prompt, str) else list(prompt)
 
     def run_io(self, fn, *args) -> Future:
         """Run post-processing (response shaping) on the I/O pool."""

@@ -180,3 +180,19 @@ def test_threads_per_process_changes_live_in_every_worker(engine):
     assert before.keys() == after.keys()
     assert all(after[pid] > before[pid] for pid in before), (before, after)
     engine.apply(engine.knobs.replace(threads_per_process=1))
+
+
+def test_token_ids_match_transformers_and_never_truncate():
+    """token_ids calls the Rust backend directly; the ids must be transformers' own, and a
+    fresh tokenizer (whose backend comes with truncation at 128 set) must not cut a long text."""
+    from engine.loading import load_tokenizer, token_ids
+
+    tokenizer = load_tokenizer(minilm_dir())
+    long_text = "word " * 600
+    first = token_ids(tokenizer, [long_text])  # the backend still has its saved truncation here
+    assert len(first[0]) == 602
+    texts = TEXTS + [long_text, "héllo wörld [SEP] [MASK] 😀", " leading space", "tabs\tand\nnewlines"]
+    expected = tokenizer(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+    assert tokenizer.backend_tokenizer.truncation is None  # cleared by transformers' call: the backend path from here on
+    assert token_ids(tokenizer, texts) == expected
+    assert [token_ids(tokenizer, [t])[0] for t in texts] == expected

@@ -216,7 +216,7 @@ async def _generate(request: Request, state: ServerState, body: SamplingFields, 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
-    prompt_ids = engine.tokenizer(prompt, add_special_tokens=True)["input_ids"] if isinstance(prompt, str) else list(prompt)
+    prompt_ids = engine.prompt_ids(prompt)
     try:
         engine.check_generation(prompt_ids, max_tokens)
     except ValueError as exc:
