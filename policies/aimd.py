@@ -161,10 +161,9 @@ class AimdPolicy:
             return bigger, why
         if self._ceiling is not None and observation.time < self._ceiling[1] and bigger.max_batch_size > self._ceiling[0]:
             return knobs, f"{why}, but {self._ceiling[0]} is the ceiling for {self._ceiling[1] - observation.time:.0f} s more (larger batches did not pay)"
-        load = observation.load
-        if load.batch_size <= 0 or load.batch_seconds <= 0:
+        efficiency = _efficiency(observation)
+        if efficiency is None:
             return bigger, why
-        efficiency = load.batch_size / load.batch_seconds  # items per second of worker time
         self._grown_from = (size, efficiency, (knobs.process_count, knobs.threads_per_process), observation.time)
         return bigger, f"{why} ({efficiency:.0f} items per model-second)"
 
@@ -177,14 +176,13 @@ class AimdPolicy:
         from batching, went 1 → 3 → 1 every ~25 s, over the SLO each time)."""
         p = self.params
         grown_from, self._grown_from = self._grown_from, None
-        load = observation.load
-        if p.min_efficiency_gain is None or grown_from is None or load.batch_size <= 0 or load.batch_seconds <= 0:
+        efficiency = _efficiency(observation)
+        if p.min_efficiency_gain is None or grown_from is None or efficiency is None:
             return None
         before, before_efficiency, layout, when = grown_from
         now, size = observation.time, knobs.max_batch_size
         if layout != (knobs.process_count, knobs.threads_per_process) or now - when > 2 * max(p.cooldown_seconds, 1.0):
             return None  # the workers or the load changed since: per-item times are not comparable
-        efficiency = load.batch_size / load.batch_seconds
         if before >= size or efficiency >= before_efficiency * (1 + p.min_efficiency_gain):
             return None
         self._ceiling = (before, now + p.ceiling_seconds)
@@ -213,3 +211,11 @@ class AimdPolicy:
         if p.halve_timeout_over_slo:
             proposal = proposal.replace(batch_timeout=clamp_knob(bounds, "batch_timeout", knobs.batch_timeout / 2))
         return proposal
+
+
+def _efficiency(observation: Observation) -> float | None:
+    """Items per second of worker time over the window (mean batch size / mean batch time)."""
+    load = observation.load
+    if load.batch_size <= 0 or load.batch_seconds <= 0:
+        return None
+    return load.batch_size / load.batch_seconds

@@ -122,8 +122,8 @@ def limit_at_batch(table: dict[str, dict[int, float]], batch: float) -> float:
     """
     best = 0.0
     for row in table.values():
-        sizes = sorted(int(b) for b in row)
-        best = max(best, float(np.interp(batch, sizes, [row[b] if b in row else row[str(b)] for b in sizes])))
+        by_size = sorted((int(b), v) for b, v in row.items())  # keys are ints, or strings once read from JSON
+        best = max(best, float(np.interp(batch, [b for b, _ in by_size], [v for _, v in by_size])))
     return best
 
 
