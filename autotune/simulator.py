@@ -29,13 +29,13 @@ from engine.batcher import Batch, Item
 from engine.config import INFLIGHT_BATCHES, Bounds, Knobs
 from engine.scheduler import Scheduler
 from monitors.observation import Latency, Load, Observation, WorkerObservation
-from monitors.sampler import batch_figures
+from monitors.sampler import BATCH_TIME_COUNTERS, batch_figures
 from monitors.window import SnapshotWindow
 
 READY, DONE, WAKE, SAMPLE = range(4)
 QUANTILE_LEVELS = np.linspace(0.0, 1.0, 101)
 """Where the *_percentiles fields of SimConfig sit: percentiles 0, 1, ..., 100."""
-COUNTERS = ("requests", "completed", "rejected", "batches", "items", "real_tokens", "padded_tokens", "batches_done", "model_seconds")
+COUNTERS = ("requests", "completed", "rejected", "batches", "items", "real_tokens", "padded_tokens", *BATCH_TIME_COUNTERS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,8 +352,12 @@ class Simulation:
         worker = self.workers[worker_id]
         worker.running = None
         worker.busy_seconds += seconds
+        size = len(batch.items)
         self.counters["batches_done"] += 1
         self.counters["model_seconds"] += seconds
+        self.counters["items_done"] += size
+        self.counters["items_done_squared"] += size * size
+        self.counters["item_model_seconds"] += size * seconds
         self._busy -= 1
         self.scheduler.router.complete(worker_id, batch.batch_id)
         for item in batch.items:

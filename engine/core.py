@@ -551,9 +551,13 @@ class EngineCore:
                 self.counters.completed += 1
                 job.future.set_result(self._embed_result(job, now))
         handle.free_slots.append(slot)
+        size = len(batch.items)
         self.counters.batches_done += 1
         self.counters.model_seconds += msg.model_seconds
-        self._finish_work(handle, msg.batch_id, len(batch.items), msg.model_seconds)
+        self.counters.items_done += size
+        self.counters.items_done_squared += size * size
+        self.counters.item_model_seconds += size * msg.model_seconds
+        self._finish_work(handle, msg.batch_id, size, msg.model_seconds)
 
     def _embed_result(self, job: EmbedJob, now: float) -> EmbedResult:
         timings = RequestTimings(

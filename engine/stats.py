@@ -30,6 +30,12 @@ class Counters:
     """Embedding batches the workers finished."""
     model_seconds: float = 0.0
     """Worker time those batches took, summed."""
+    items_done: int = 0
+    """Items in those batches: with the two sums below, a per-batch fit of time on size."""
+    items_done_squared: int = 0
+    """Σ items² over the finished batches."""
+    item_model_seconds: float = 0.0
+    """Σ items × worker time over the finished batches."""
     requeued_items: int = 0
     workers_started: int = 0
     worker_deaths: int = 0

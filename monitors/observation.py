@@ -27,6 +27,23 @@ class Latency:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchTimes:
+    """Sums over the batches that finished in the window, enough for a least-squares fit of a
+    batch's worker time on its size from the batches themselves: sizes vary from batch to
+    batch even when their mean over the window hardly moves."""
+
+    batches: int = 0
+    items: float = 0.0
+    """Σ size."""
+    items_squared: float = 0.0
+    """Σ size²."""
+    seconds: float = 0.0
+    """Σ worker time."""
+    item_seconds: float = 0.0
+    """Σ size × worker time."""
+
+
+@dataclass(frozen=True, slots=True)
 class Load:
     """What the traffic is doing, over the sampler's window."""
 
@@ -52,6 +69,7 @@ class Load:
     """Mean worker time of one batch over the window (0 when none finished). With batch_size it
     is a per-batch pair; latency["model"] is per request, so it weighs a batch by its items and,
     when batch sizes mix, pairs a small mean size with the time of the big batches."""
+    batch_times: BatchTimes = field(default_factory=BatchTimes)
     items_rate: float = 0.0
     tokens_per_second: float = 0.0
     """Generated tokens per second (generation only)."""

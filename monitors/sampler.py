@@ -15,11 +15,13 @@ import numpy as np
 
 from monitors.gpu import GpuMonitor
 from monitors.host import HostMonitor
-from monitors.observation import Latency, Load, Observation, WorkerObservation
+from monitors.observation import BatchTimes, Latency, Load, Observation, WorkerObservation
 from monitors.procs import ProcessSampler
 from monitors.topology import read_topology
 from monitors.window import SnapshotWindow, percentile
 
+BATCH_TIME_COUNTERS = ("batches_done", "model_seconds", "items_done", "items_done_squared", "item_model_seconds")
+"""The finished batches' sums behind Load.batch_seconds and Load.batch_times."""
 COUNTERS = (
     "requests",
     "completed",
@@ -31,8 +33,7 @@ COUNTERS = (
     "real_tokens",
     "padded_tokens",
     "generated_tokens",
-    "batches_done",
-    "model_seconds",
+    *BATCH_TIME_COUNTERS,
 )
 
 
@@ -42,6 +43,13 @@ def batch_figures(change: dict) -> dict:
         "batch_size": change["items"] / change["batches"] if change["batches"] else 0.0,
         "batch_fill": change["real_tokens"] / change["padded_tokens"] if change["padded_tokens"] else 1.0,
         "batch_seconds": change["model_seconds"] / change["batches_done"] if change["batches_done"] else 0.0,
+        "batch_times": BatchTimes(
+            batches=int(change["batches_done"]),
+            items=float(change["items_done"]),
+            items_squared=float(change["items_done_squared"]),
+            seconds=float(change["model_seconds"]),
+            item_seconds=float(change["item_model_seconds"]),
+        ),
     }
 
 
@@ -50,7 +58,7 @@ class EngineReading:
     """One cumulative reading of the engine (and the HTTP layer in front of it).
 
     `stats` needs: counters (requests, completed, failed, batches, items, real_tokens,
-    padded_tokens, generated_tokens, batches_done, model_seconds), queue_depth, oldest_wait_seconds, pending_requests,
+    padded_tokens, generated_tokens and BATCH_TIME_COUNTERS), queue_depth, oldest_wait_seconds, pending_requests,
     and workers with worker_id, pid, state, load, busy_seconds. `latency` maps a stage to
     (cumulative bucket counts, sum of seconds) over the buckets `upper_bounds`.
     """

@@ -1,15 +1,18 @@
 """SLO-driven adaptive batching (BentoML style): a fitted batch-latency model sets batch size and wait.
 
-Online model of one batch's time in the model, fitted by exponentially weighted recursive least
-squares (old points fade by `forgetting_factor` per observation):
+Online model of one batch's time in the model, fitted by exponentially weighted least squares
+over the finished batches themselves (each observation's window adds its batches' sums,
+load.batch_times; older sums fade by `forgetting_factor` per observation):
 
-    service(B) ≈ a + b × B        B = mean items per batch (load.batch_size)
-                                  service = mean worker time per batch (load.batch_seconds)
+    service(B) ≈ a + b × B        B = items in a batch, service = its worker time
 
-Both are means over batches. The per-request model latency would not do: it weighs each batch
-by its items, so a window of many single-item batches and a few full ones pairs a small B with
-the full batches' time, and the fitted intercept (which caps the wait, below) comes out far
-above a batch's fixed cost.
+Fitting batches, not the window's mean size against its mean time: sizes vary from batch to
+batch (1, 3, 2, 1, ...) even when their mean over a window hardly moves, and a steady load,
+say long inputs that never fill a batch, keeps the mean still for good, so a fit on means never
+learns the slope and the wait it would set stays what it was. Per batch, not per request: the
+per-request model latency weighs each batch by its items, so a window of many single-item
+batches and a few full ones pairs a small B with the full batches' time, and the fitted
+intercept (which caps the wait, below) comes out far above a batch's fixed cost.
 
 The Observation carries no token counts per item, so x is items per batch, not tokens per batch:
 the fit is right for a stable input-length mix and drifts (through forgetting) when it changes.
@@ -29,21 +32,19 @@ can ever save.
 The rest of the SLO (1 - budget_fraction) is left for queueing. When no B up to the bound
 meets (i), the policy takes the largest B whose service still fits the budget (most throughput
 the SLO allows) and says that capacity is short: adding workers is another policy's job.
-Until the fit has `min_points` observations spread over at least `min_batch_spread` batch sizes,
-it holds. Only max_batch_size and batch_timeout change (max_batch_size only when
+Until the fit has `min_points` observations, batch sizes that vary (standard deviation at least
+`min_batch_size_std`) and a positive slope, it holds. Only max_batch_size and batch_timeout change (max_batch_size only when
 `tune_batch_size`); process and thread counts are left to other policies: put this one in a
 composite next to a threshold policy for process_count.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 from pydantic import Field
 
 from engine.config import Bounds, Knobs
-from monitors.observation import Load, Observation
+from monitors.observation import BatchTimes, Load, Observation
 from policies.base import Decision, Params, clamp_knob, describe_changes
 
 _MIN_SERVICE_SECONDS = 1e-6
@@ -57,11 +58,12 @@ class SloParams(Params):
     headroom: float = Field(0.2, ge=0)
     """Capacity kept above the arrival rate: 0.2 sizes for 1.2 × the observed rate."""
     forgetting_factor: float = Field(0.98, gt=0, le=1)
-    """Weight kept by past points at each new one (1 = never forget; 0.98 ≈ the last 50 points)."""
+    """Weight kept by past observations' batches at each new observation (1 = never forget;
+    0.98 ≈ the last 50 observations)."""
     min_points: int = Field(5, ge=2)
     """Observations fitted before the policy acts."""
-    min_batch_spread: float = Field(2.0, ge=0)
-    """Fitted batch sizes (over the last 50 points) must span at least this many items, else b is unknown."""
+    min_batch_size_std: float = Field(0.5, ge=0)
+    """The fitted batches' sizes must have at least this standard deviation (items), else b is unknown."""
     min_requests: int = Field(5, ge=1)
     """An observation is fitted only when at least this many model latencies are in its window."""
     tune_batch_size: bool = True
@@ -69,31 +71,37 @@ class SloParams(Params):
     and only batch_timeout is set (for the smallest B that meets capacity, at most the current limit)."""
 
 
-class LinearFit:
-    """y ≈ a + b·x by exponentially weighted recursive least squares."""
+class BatchTimeFit:
+    """service ≈ a + b·size by least squares over batches, older windows' sums fading."""
 
-    def __init__(self, forgetting_factor: float, prior_variance: float = 1e6):
+    def __init__(self, forgetting_factor: float):
         self.forgetting_factor = forgetting_factor
-        self.theta = np.zeros(2)
-        self.covariance = np.eye(2) * prior_variance
+        self.sums = np.zeros(5)
+        """Σ1, Σx, Σx², Σy, Σxy over the batches fitted, each weighted by its fading."""
         self.points = 0
+        """Observations fitted."""
 
-    def update(self, x: float, y: float) -> None:
-        phi = np.array([1.0, x])
-        lam = self.forgetting_factor
-        pphi = self.covariance @ phi
-        gain = pphi / (lam + phi @ pphi)
-        self.theta = self.theta + gain * (y - phi @ self.theta)
-        self.covariance = (self.covariance - np.outer(gain, pphi)) / lam
+    def update(self, times: BatchTimes) -> None:
+        window = (times.batches, times.items, times.items_squared, times.seconds, times.item_seconds)
+        self.sums = self.sums * self.forgetting_factor + np.array(window, dtype=np.float64)
         self.points += 1
 
     @property
-    def intercept(self) -> float:
-        return float(self.theta[0])
+    def size_std(self) -> float:
+        """Standard deviation of the fitted batches' sizes."""
+        n, sx, sxx = self.sums[:3]
+        return float(np.sqrt(max(0.0, sxx / n - (sx / n) ** 2))) if n > 0 else 0.0
 
     @property
     def slope(self) -> float:
-        return float(self.theta[1])
+        n, sx, sxx, sy, sxy = self.sums
+        variance = n * sxx - sx * sx
+        return float((n * sxy - sx * sy) / variance) if n > 0 and variance > 1e-12 * max(1.0, n * sxx) else 0.0
+
+    @property
+    def intercept(self) -> float:
+        n, sx, _, sy, _ = self.sums
+        return float((sy - self.slope * sx) / n) if n > 0 else 0.0
 
     def predict(self, x: float) -> float:
         return self.intercept + self.slope * x
@@ -107,18 +115,17 @@ class SloPolicy:
     def __init__(self, params: SloParams):
         self.params = params
         self.name = self.kind
-        self.fit = LinearFit(params.forgetting_factor)
-        self._recent_sizes: deque[float] = deque(maxlen=50)
+        self.fit = BatchTimeFit(params.forgetting_factor)
         self._last_fitted_time: float | None = None
 
     def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
         p = self.params
         self._learn(observation)
-        if self.fit.points < p.min_points or self._spread() < p.min_batch_spread:
+        if self.fit.points < p.min_points or self.fit.size_std < p.min_batch_size_std or self.fit.slope <= 0:
             return Decision(
                 knobs,
-                f"fitting batch latency ({self.fit.points} of {p.min_points} points, batch sizes spread "
-                f"{self._spread():.1f} of {p.min_batch_spread:g}): holding",
+                f"fitting batch latency ({self.fit.points} of {p.min_points} observations, batch sizes' std "
+                f"{self.fit.size_std:.2f} of {p.min_batch_size_std:g}, slope {self.fit.slope * 1000:.3f} ms per item): holding",
             )
         demand = item_demand(observation.load)
         if demand <= 0:
@@ -138,19 +145,15 @@ class SloPolicy:
         return Decision(proposal, f"{why}: {changes}" if changes else f"{why}: no change")
 
     def _learn(self, observation: Observation) -> None:
-        """Fit one point per new observation that has batches and model latencies in its window."""
+        """Fit the batches of each new observation that has batches and model latencies in its window."""
         load = observation.load
         model = load.latency.get("model")
         if self._last_fitted_time is not None and observation.time <= self._last_fitted_time:
             return
-        if model is None or model.count < self.params.min_requests or load.batch_size <= 0 or load.batch_seconds <= 0:
+        if model is None or model.count < self.params.min_requests or load.batch_times.batches <= 0 or load.batch_times.seconds <= 0:
             return
-        self.fit.update(load.batch_size, load.batch_seconds)
-        self._recent_sizes.append(load.batch_size)
+        self.fit.update(load.batch_times)
         self._last_fitted_time = observation.time
-
-    def _spread(self) -> float:
-        return max(self._recent_sizes) - min(self._recent_sizes) if self._recent_sizes else 0.0
 
     def _service(self, size: int) -> float:
         return max(self.fit.predict(size), _MIN_SERVICE_SECONDS)

@@ -78,6 +78,12 @@ def test_latency_percentiles_agree_with_the_clients_own(server):
     # one batch's mean worker time: within the range of the per-request model times
     model = obs["load"]["latency"]["model"]
     assert 0 < obs["load"]["batch_seconds"] <= model["p99"] * 1.01
+    # the per-batch sums behind the slo policy's fit: the same batches, sizes of at least one
+    sums = obs["load"]["batch_times"]
+    assert sums["batches"] > 0
+    assert sums["seconds"] / sums["batches"] == pytest.approx(obs["load"]["batch_seconds"])
+    assert sums["items_squared"] >= sums["items"] ** 2 / sums["batches"] - 1e-9  # Cauchy-Schwarz
+    assert sums["seconds"] <= sums["item_seconds"] <= 8 * sums["seconds"]
 
 
 def test_worker_rss_and_cpu_agree_with_psutil_from_outside(server):

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from engine.config import Bounds, Knobs
-from monitors.observation import Latency, Load, Observation, WorkerObservation
+from monitors.observation import BatchTimes, Latency, Load, Observation, WorkerObservation
 from policies import Decision, PolicyError, load_policy, policy_from_spec
 from policies.aimd import AimdParams, AimdPolicy
 from policies.composite import CompositePolicy
@@ -40,9 +40,11 @@ def obs(
     batch_size: float = 0.0,
     model_mean: float | None = None,
     batch_seconds: float | None = None,
+    batches: list[tuple[int, float]] | None = None,
     queue_depth: int = 0,
 ) -> Observation:
-    """An Observation with `workers` workers (the first `ready` of them ready, all at `busy`)."""
+    """An Observation with `workers` workers (the first `ready` of them ready, all at `busy`).
+    The window's finished batches are `batches` (size, seconds), or else ten of the mean size and time."""
     ready = workers if ready is None else ready
     latency = {}
     if p99 is not None:
@@ -50,6 +52,9 @@ def obs(
     if model_mean is not None:
         latency["model"] = Latency(p50=model_mean, p95=model_mean, p99=model_mean, mean=model_mean, count=count)
     completion = arrival if completion is None else completion
+    batch_seconds = (model_mean or 0.0) if batch_seconds is None else batch_seconds
+    if batches is None:
+        batches = [(batch_size, batch_seconds)] * 10 if batch_size > 0 else []
     load = Load(
         arrival_rate=arrival,
         completion_rate=completion,
@@ -57,7 +62,8 @@ def obs(
         queue_depth=queue_depth,
         latency=latency,
         batch_size=batch_size,
-        batch_seconds=(model_mean or 0.0) if batch_seconds is None else batch_seconds,
+        batch_seconds=batch_seconds,
+        batch_times=batch_times(batches),
     )
     states = ["ready"] * ready + ["starting"] * (workers - ready)
     return Observation(
@@ -65,6 +71,16 @@ def obs(
         window_seconds=10.0,
         load=load,
         workers=tuple(WorkerObservation(i, 1000 + i, s, busy if s == "ready" else 0.0, 0) for i, s in enumerate(states)),
+    )
+
+
+def batch_times(batches: list[tuple[int, float]]) -> BatchTimes:
+    return BatchTimes(
+        batches=len(batches),
+        items=sum(n for n, _ in batches),
+        items_squared=sum(n * n for n, _ in batches),
+        seconds=sum(s for _, s in batches),
+        item_seconds=sum(n * s for n, s in batches),
     )
 
 
@@ -399,17 +415,34 @@ def test_slo_recovers_the_batch_latency_model():
 
 def test_slo_fits_batch_time_per_batch_not_per_request():
     """The per-request model latency weighs a batch by its items: with mixed sizes its mean is the
-    big batches' time, paired with a small mean size. The fit takes the per-batch mean."""
+    big batches' time, paired with a small mean size. The fit takes the batches themselves."""
     policy = slo()
     rng = random.Random(2)
     for i in range(40):
         small, full = rng.randint(5, 15), rng.randint(1, 4)  # batches of 1 and of 32 in one window
         size = (small + 32 * full) / (small + full)
-        per_batch = (small * (A + B) + full * (A + 32 * B)) / (small + full)
         per_request = (small * (A + B) + full * 32 * (A + 32 * B)) / (small + 32 * full)
-        policy.decide(obs(i, arrival=500, batch_size=size, model_mean=per_request, batch_seconds=per_batch), Knobs(process_count=2), BOUNDS)
+        window = [(1, A + B)] * small + [(32, A + 32 * B)] * full
+        policy.decide(obs(i, arrival=500, batch_size=size, model_mean=per_request, batches=window), Knobs(process_count=2), BOUNDS)
     assert policy.fit.intercept == pytest.approx(A, rel=0.05)
     assert policy.fit.slope == pytest.approx(B, rel=0.05)
+
+
+def test_slo_learns_from_batch_sizes_that_vary_within_a_steady_window():
+    """Long inputs never fill a batch: every window's mean size is ~1.4, so a fit on window means
+    never learns the slope and a long wait (here the 100-ms seed) would stay for good. The
+    batches themselves (1, 2, 3 items) carry the slope, and the wait drops to the fixed cost."""
+    a, b = 0.002, 0.060  # 60 ms per item: batching buys next to nothing
+    policy = slo(slo_p99_seconds=0.5)
+    knobs = Knobs(process_count=2, max_batch_size=16, batch_timeout=0.1)
+    rng = random.Random(3)
+    decision = None
+    for i in range(12):
+        window = [(n, (a + b * n) * (1 + rng.uniform(-0.05, 0.05))) for n in rng.choices((1, 1, 1, 2, 3), k=40)]
+        mean = sum(n for n, _ in window) / len(window)
+        decision = policy.decide(obs(i, arrival=15, batch_size=mean, model_mean=0.1, batches=window), knobs, BOUNDS)
+    assert policy.fit.slope == pytest.approx(b, rel=0.1)
+    assert decision.knobs.batch_timeout <= 0.01
 
 
 def test_slo_picks_the_smallest_batch_meeting_the_arrival_rate_within_the_budget():

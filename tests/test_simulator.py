@@ -102,6 +102,10 @@ def test_the_simulated_sampler_reports_the_mean_time_of_one_batch():
     load = sim.sampler.sample(result.end_time + 0.5).load
     assert load.batch_size > 1.0  # several sizes of batch, each of which takes 20 ms
     assert load.batch_seconds == pytest.approx(0.02)
+    sums = load.batch_times
+    assert sums.seconds == pytest.approx(0.02 * sums.batches)
+    assert sums.item_seconds == pytest.approx(0.02 * sums.items)
+    assert sums.items_squared > sums.items  # some batches held more than one item
 
 
 def reference_batches(arrivals, max_batch_size: int, timeout: float) -> list[tuple[tuple[int, ...], float]]:
