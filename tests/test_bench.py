@@ -99,6 +99,9 @@ def test_verdicts_set_the_best_mode_against_the_limit_at_the_batch_it_ran():
     assert lines[0] == "best served mode autotuned: 140 req/s = 0.70 × limit (200/s)"
     assert lines[1] == "at the batch size it ran at that rate (16.0 items per forward), the in-process limit is 150/s: 0.93 × that"
     assert "at the batch size" not in " ".join(verdicts([best.__class__("autotuned", "", {}, {}, max_qps=140.0, at_max={})], limit))
+    level = ModeResult("multithread", "", {}, {}, max_qps=140.0)
+    assert lines[-1] == "autotuned ahead of: multiprocess"
+    assert verdicts([other, level, best], None)[-1] == "autotuned ahead of: multiprocess; not ahead of: multithread (140 vs 140, +0%)"
 
 
 def test_poisson_arrivals_are_seeded_and_at_the_rate():
@@ -129,8 +132,10 @@ def test_modes_on_two_and_sixteen_cores():
 
 
 def test_mode_lists_and_grids_parse():
-    from autotune.bench.cli import split_modes
+    from autotune.bench.cli import parse_words, split_modes
     from autotune.bench.modes import parse_grid
+
+    assert parse_words("8-48") == (8, 48) and parse_words("32") == (32, 32)
 
     assert split_modes("autotuned,static:process_count=2,max_batch_size=64,hybrid") == ["autotuned", "static:process_count=2,max_batch_size=64", "hybrid"]
     grid = parse_grid("process_count=1,2;threads_per_process=1,2;max_batch_size=4,64", cores=2)
@@ -183,6 +188,9 @@ def test_open_loop_keeps_the_schedule_when_the_server_is_slow(tmp_path):
 
 def test_bench_cli_rejects_unknown_modes_and_workloads():
     run = lambda *a: subprocess.run([sys.executable, "-m", "autotune.cli", "bench", *a], capture_output=True, text=True, timeout=60)  # noqa: E731
+    for words, why in (("48-8", "needs 1 <= MIN <= MAX"), ("many", "is not MIN-MAX")):
+        bad_words = run("--words", words)
+        assert bad_words.returncode == 2 and f"--words: {words!r} {why}" in bad_words.stderr
     bad_mode = run("--modes", "multiprocess,turbo")
     assert bad_mode.returncode == 2 and "unknown mode 'turbo'" in bad_mode.stderr
     bad_workload = run("--workload", "zigzag:rate=3")

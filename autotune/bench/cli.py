@@ -46,6 +46,7 @@ def register(subparsers) -> None:
                    "the oracle's sweep (capacity) or, with --workload, one replay per combination (the oracle is the best)")
     b.add_argument("--model", default="builtin:minilm")
     b.add_argument("--policy", help="policy file for the autotuned modes (default: configs/policies/default.yaml)")
+    b.add_argument("--words", default="8-48", help="MIN-MAX: words per input text of the rate ladder and the limit (uniform)")
     b.add_argument("--slo", type=float, default=0.5, help="p99 latency objective, seconds")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--quick", action="store_true", help="fewer rates, shorter steps: all modes in under 5 minutes")
@@ -68,6 +69,7 @@ def run_bench(args) -> int:
         cores = len(os.sched_getaffinity(0))
         modes = {n: mode(n, cores) for n in names if n != "oracle"}
         grid = parse_grid(args.grid, cores) if args.grid else None
+        words = parse_words(args.words)
         workload = None
         if args.workload:
             from autotune.workloads import from_spec
@@ -84,7 +86,7 @@ def run_bench(args) -> int:
 
     machine = machine_info()
     say(f"machine: {machine['cpu']}, {cores} usable cores, {machine['ram_gib']} GiB")
-    texts = sentences(512, 8, 48, seed=args.seed)
+    texts = sentences(512, *words, seed=args.seed)
     limit = None if args.no_limit or args.url or workload is not None else measure_limit_row(args, texts, cores, say)
     start = args.start_rate or (0.35 * limit["sentences_per_second"] if limit else 20.0)
     plan = CapacityPlan(
@@ -154,6 +156,7 @@ def run_bench(args) -> int:
         "model": args.model,
         "slo_seconds": args.slo,
         "seed": args.seed,
+        "words": list(words),
         "quick": args.quick,
         "workload": args.workload,
         "plan": {"step_seconds": plan.step_seconds, "settle": plan.settle, "ladder_start": plan.ladder.start, "factor": plan.ladder.factor},
@@ -172,6 +175,18 @@ def run_bench(args) -> int:
     if args.json:
         print(json.dumps(summary, default=jsonable))
     return 0
+
+
+def parse_words(text: str) -> tuple[int, int]:
+    """`8-48` -> (8, 48); `32` -> (32, 32)."""
+    low, _, high = text.partition("-")
+    try:
+        words = (int(low), int(high or low))
+    except ValueError:
+        raise ValueError(f"--words: {text!r} is not MIN-MAX (whole numbers of words, e.g. 8-48)") from None
+    if not 1 <= words[0] <= words[1]:
+        raise ValueError(f"--words: {text!r} needs 1 <= MIN <= MAX")
+    return words
 
 
 def split_modes(text: str) -> list[str]:
@@ -222,7 +237,7 @@ def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
     fixed = [r for r in results if r.mode in ("multiprocess", "multithread", "hybrid")]
     for r in tuned:
         ahead = [f.mode for f in fixed if r.max_qps > f.max_qps]
-        behind = [f.mode for f in fixed if r.max_qps <= f.max_qps]
+        behind = [f"{f.mode} ({r.max_qps:.0f} vs {f.max_qps:.0f}, {r.max_qps / max(f.max_qps, 1e-9) - 1:+.0%})" for f in fixed if r.max_qps <= f.max_qps]
         if fixed:
             lines.append(f"{r.mode} ahead of: {', '.join(ahead) or 'none'}" + (f"; not ahead of: {', '.join(behind)}" if behind else ""))
     return lines
