@@ -33,9 +33,11 @@ The rest of the SLO (1 - budget_fraction) is left for queueing. When no B up to 
 meets (i), the policy takes the largest B whose service still fits the budget (most throughput
 the SLO allows) and says that capacity is short: adding workers is another policy's job.
 Until the fit has `min_points` observations, batch sizes that vary (standard deviation at least
-`min_batch_size_std`) and a positive slope, it holds. Only max_batch_size and batch_timeout change (max_batch_size only when
-`tune_batch_size`); process and thread counts are left to other policies: put this one in a
-composite next to a threshold policy for process_count.
+`min_batch_size_std`) and a positive slope, it holds, with one exception: when nearly every
+batch of the window held a single item, the wait gathers nothing at this rate and goes to 0.
+Only max_batch_size and batch_timeout change (max_batch_size only when `tune_batch_size`);
+process and thread counts are left to other policies: put this one in a composite next to a
+threshold policy for process_count.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from monitors.observation import BatchTimes, Load, Observation
 from policies.base import Decision, Params, clamp_knob, describe_changes
 
 _MIN_SERVICE_SECONDS = 1e-6
+SINGLE_ITEM_MEAN = 1.05
+"""Batches this close to one item on average: the wait gathers nothing (see _single_item_batches)."""
 
 
 class SloParams(Params):
@@ -60,8 +64,8 @@ class SloParams(Params):
     forgetting_factor: float = Field(0.98, gt=0, le=1)
     """Weight kept by past observations' batches at each new observation (1 = never forget;
     0.98 ≈ the last 50 observations)."""
-    min_points: int = Field(5, ge=2)
-    """Observations fitted before the policy acts."""
+    min_points: int = Field(2, ge=2)
+    """Observations fitted before the policy acts (each brings its window's batches)."""
     min_batch_size_std: float = Field(0.5, ge=0)
     """The fitted batches' sizes must have at least this standard deviation (items), else b is unknown."""
     min_requests: int = Field(5, ge=1)
@@ -121,6 +125,11 @@ class SloPolicy:
     def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
         p = self.params
         self._learn(observation)
+        single = self._single_item_batches(observation)
+        if single is not None:
+            proposal = knobs.replace(batch_timeout=clamp_knob(bounds, "batch_timeout", 0.0))
+            changes = describe_changes(knobs, proposal)
+            return Decision(proposal, f"{single}: {changes}" if changes else f"{single}: no change")
         if self.fit.points < p.min_points or self.fit.size_std < p.min_batch_size_std or self.fit.slope <= 0:
             return Decision(
                 knobs,
@@ -143,6 +152,18 @@ class SloPolicy:
         )
         changes = describe_changes(knobs, proposal)
         return Decision(proposal, f"{why}: {changes}" if changes else f"{why}: no change")
+
+    def _single_item_batches(self, observation: Observation) -> str | None:
+        """Why no wait is worth it when nearly every batch in the window held one item although
+        the batcher waited `batch_timeout` for more: the wait gathers nothing at this rate (and
+        the sizes do not vary, so the fit cannot tell). None otherwise."""
+        times = observation.load.batch_times
+        if self.fit.points < self.params.min_points or times.batches < self.params.min_requests:
+            return None
+        mean = times.items / times.batches
+        if mean > SINGLE_ITEM_MEAN:
+            return None
+        return f"{times.batches} batches of {mean:.2f} items on average in the window: waiting gathers nothing, wait 0"
 
     def _learn(self, observation: Observation) -> None:
         """Fit the batches of each new observation that has batches and model latencies in its window."""

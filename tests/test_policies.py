@@ -406,6 +406,24 @@ def test_slo_holds_until_the_fit_has_enough_points():
     assert decision.knobs == knobs  # no spread in batch size: the slope is unknown
 
 
+def test_slo_drops_a_wait_that_gathers_nothing():
+    """2 requests/s against a 100-ms wait: every batch holds one item, the sizes never vary and
+    the fit cannot learn a slope, but the wait plainly buys nothing."""
+    policy = slo()
+    knobs = Knobs(process_count=2, max_batch_size=32, batch_timeout=0.1)
+    first = policy.decide(obs(0, arrival=2, batch_size=1.0, model_mean=0.02, batches=[(1, 0.02)] * 20), knobs, BOUNDS)
+    assert first.knobs == knobs  # one observation is not yet a fit
+    decision = policy.decide(obs(2, arrival=2, batch_size=1.0, model_mean=0.02, batches=[(1, 0.02)] * 20), knobs, BOUNDS)
+    assert decision.knobs == knobs.replace(batch_timeout=0.0)
+    assert "waiting gathers nothing" in decision.reason
+    mixed = slo()
+    for t in (0, 2):
+        decision = mixed.decide(obs(t, arrival=500, batch_size=1.5, model_mean=0.02, batches=[(1, 0.02), (2, 0.021)] * 10), knobs, BOUNDS)
+    assert "waiting gathers nothing" not in decision.reason  # batches of two: the wait does gather something
+    size = decision.knobs.max_batch_size  # 19 ms + 1 ms per item: 9 covers 1.2 × 500/s on 2 workers
+    assert size == 9 and decision.knobs.batch_timeout == pytest.approx((size - 1) / 500)
+
+
 def test_slo_recovers_the_batch_latency_model():
     policy = slo()
     feed_model(policy, Knobs(process_count=2))
