@@ -52,6 +52,15 @@ def test_ladder_steps_down_when_even_the_first_rate_fails():
     assert climb(0.1, LadderConfig(start=4, factor=2, refine=1))[0] == 0.0  # gives up below min_rate
 
 
+def test_steps_run_longer_at_low_rates_to_judge_enough_requests():
+    from autotune.bench.runner import CapacityPlan
+
+    plan = CapacityPlan(LadderConfig(start=10), step_seconds=12.0, min_judged=200, settle=1 / 3, warmup_seconds=8.0, slo=0.5)
+    assert plan.seconds_at(100.0) == 12.0  # 800 judged already
+    assert plan.seconds_at(10.0) == pytest.approx(30.0)  # 200 judged over the last two thirds
+    assert plan.seconds_at(10.0) * (1 - plan.settle) * 10.0 == pytest.approx(200)
+
+
 def test_judge_skips_the_settling_part_and_needs_the_p99_and_the_200s():
     fast = [Result(t / 10, 200, 0.05) for t in range(100)]
     slow_start = [Result(t / 10, 200, 2.0 if t < 30 else 0.05) for t in range(100)]
@@ -99,9 +108,13 @@ def test_verdicts_set_the_best_mode_against_the_limit_at_the_batch_it_ran():
     assert lines[0] == "best served mode autotuned: 140 req/s = 0.70 × limit (200/s)"
     assert lines[1] == "at the batch size it ran at that rate (16.0 items per forward), the in-process limit is 150/s: 0.93 × that"
     assert "at the batch size" not in " ".join(verdicts([best.__class__("autotuned", "", {}, {}, max_qps=140.0, at_max={})], limit))
-    level = ModeResult("multithread", "", {}, {}, max_qps=140.0)
+    level = ModeResult("multithread", "", {"process_count": 1}, {}, max_qps=140.0, at_max={"p99": 0.31})
     assert lines[-1] == "autotuned ahead of: multiprocess"
     assert verdicts([other, level, best], None)[-1] == "autotuned ahead of: multiprocess; not ahead of: multithread (140 vs 140, +0%)"
+    best.at_max["p99"] = 0.25
+    oracle = ModeResult("oracle", "", {"process_count": 1}, {}, max_qps=140.0)
+    assert verdicts([other, level, best, oracle], None)[-1] == (
+        "autotuned ahead of: multiprocess; not ahead of: multithread (140 vs 140, +0%; p99 there 250 vs 310 ms; the oracle's sweep chose this configuration)")
 
 
 def test_poisson_arrivals_are_seeded_and_at_the_rate():
@@ -157,7 +170,7 @@ def test_capacity_ladder_and_stage_headers_against_a_real_server(tmp_path):
     server = ServerProcess(tmp_path, config)
     log = RunLog(server.url)
     try:
-        plan = CapacityPlan(LadderConfig(start=10, factor=2, refine=0, max_steps=2), step_seconds=2.0, settle=0.25, warmup_seconds=1.0, slo=0.5)
+        plan = CapacityPlan(LadderConfig(start=10, factor=2, refine=0, max_steps=2), step_seconds=2.0, min_judged=10, settle=0.25, warmup_seconds=1.0, slo=0.5)
         best, steps = capacity(server.url, server.cpu_seconds, log, plan, ["a short sentence", "another one to embed"], "test", print)
         assert [s.offered for s in steps] == [10, 20]
         assert best == 20 and all(s.passed for s in steps)

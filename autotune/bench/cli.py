@@ -92,6 +92,7 @@ def run_bench(args) -> int:
     plan = CapacityPlan(
         ladder=LadderConfig(start=start, factor=1.4 if args.quick else 1.25, refine=1 if args.quick else 2),
         step_seconds=6.0 if args.quick else 12.0,
+        min_judged=100 if args.quick else 200,
         settle=1 / 3,
         warmup_seconds=4.0 if args.quick else 8.0,
         slo=args.slo,
@@ -159,7 +160,7 @@ def run_bench(args) -> int:
         "words": list(words),
         "quick": args.quick,
         "workload": args.workload,
-        "plan": {"step_seconds": plan.step_seconds, "settle": plan.settle, "ladder_start": plan.ladder.start, "factor": plan.ladder.factor},
+        "plan": {"step_seconds": plan.step_seconds, "min_judged": plan.min_judged, "settle": plan.settle, "ladder_start": plan.ladder.start, "factor": plan.ladder.factor},
         "limit": limit,
         "modes": [as_dict(r) for r in results],
         "oracle_sweep": oracle_rows,
@@ -237,10 +238,23 @@ def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
     fixed = [r for r in results if r.mode in ("multiprocess", "multithread", "hybrid")]
     for r in tuned:
         ahead = [f.mode for f in fixed if r.max_qps > f.max_qps]
-        behind = [f"{f.mode} ({r.max_qps:.0f} vs {f.max_qps:.0f}, {r.max_qps / max(f.max_qps, 1e-9) - 1:+.0%})" for f in fixed if r.max_qps <= f.max_qps]
+        behind = [f"{f.mode} ({_gap(r, f, by.get('oracle'))})" for f in fixed if r.max_qps <= f.max_qps]
         if fixed:
             lines.append(f"{r.mode} ahead of: {', '.join(ahead) or 'none'}" + (f"; not ahead of: {', '.join(behind)}" if behind else ""))
     return lines
+
+
+def _gap(tuned: ModeResult, fixed: ModeResult, oracle: ModeResult | None) -> str:
+    """How a fixed mode the autotuned one is not ahead of compares: both figures, the gap, the
+    p99s at a shared max QPS, and whether the fixed mode is the configuration the oracle chose
+    (tuned for this load, then, by the sweep)."""
+    text = f"{tuned.max_qps:.0f} vs {fixed.max_qps:.0f}, {tuned.max_qps / max(fixed.max_qps, 1e-9) - 1:+.0%}"
+    p99s = [(r.at_max or {}).get("p99") for r in (tuned, fixed)]
+    if tuned.max_qps == fixed.max_qps and None not in p99s:
+        text += f"; p99 there {p99s[0] * 1000:.0f} vs {p99s[1] * 1000:.0f} ms"
+    if oracle is not None and oracle.start_knobs == fixed.start_knobs:
+        text += "; the oracle's sweep chose this configuration"
+    return text
 
 
 def workload_verdicts(results: list[ModeResult]) -> list[str]:

@@ -40,11 +40,18 @@ Say = Callable[[str], None]
 class CapacityPlan:
     ladder: LadderConfig
     step_seconds: float
+    min_judged: int
+    """Requests a step judges at least (it runs longer at low rates): a p99 over 70 requests is
+    their maximum, one stall decides it."""
     settle: float
     """Share of each step not judged (the time any server gets to adapt to the new rate)."""
     warmup_seconds: float
     slo: float
     seed: int = 0
+
+    def seconds_at(self, rate: float) -> float:
+        """A step's length at `rate`: step_seconds, or longer when that judges fewer than min_judged requests."""
+        return max(self.step_seconds, self.min_judged / ((1 - self.settle) * max(rate, 1e-9)))
 
 
 @dataclass
@@ -145,7 +152,7 @@ def capacity(url: str, cpu_seconds: Callable[[], float] | None, log: RunLog, pla
     steps: list[StepResult] = []
     while (rate := ladder.next_rate()) is not None:
         wait_idle(url)
-        step, results = measure_step(log.send, rate, plan.step_seconds, plan.settle, plan.slo, body, plan.seed + len(steps), cpu_seconds)
+        step, results = measure_step(log.send, rate, plan.seconds_at(rate), plan.settle, plan.slo, body, plan.seed + len(steps), cpu_seconds)
         ladder.record(rate, step.passed)
         steps.append(step)
         if writer is not None:
