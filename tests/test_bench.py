@@ -59,6 +59,7 @@ def test_steps_run_longer_at_low_rates_to_judge_enough_requests():
     assert plan.seconds_at(100.0) == 12.0  # 800 judged already
     assert plan.seconds_at(10.0) == pytest.approx(30.0)  # 200 judged over the last two thirds
     assert plan.seconds_at(10.0) * (1 - plan.settle) * 10.0 == pytest.approx(200)
+    assert plan.seconds_at(2.0) == 36.0  # at most 3 × step_seconds: a mode failing down to 2 req/s does not stretch the run
 
 
 def test_judge_skips_the_settling_part_and_needs_the_p99_and_the_200s():

@@ -41,7 +41,8 @@ class CapacityPlan:
     ladder: LadderConfig
     step_seconds: float
     min_judged: int
-    """Requests a step judges at least (it runs longer at low rates): a p99 over 70 requests is
+    """Requests a step judges at least (it runs longer at low rates, up to 3 × step_seconds, so
+    a mode that fails down to a few req/s cannot stretch the run): a p99 over 70 requests is
     their maximum, one stall decides it."""
     settle: float
     """Share of each step not judged (the time any server gets to adapt to the new rate)."""
@@ -50,8 +51,8 @@ class CapacityPlan:
     seed: int = 0
 
     def seconds_at(self, rate: float) -> float:
-        """A step's length at `rate`: step_seconds, or longer when that judges fewer than min_judged requests."""
-        return max(self.step_seconds, self.min_judged / ((1 - self.settle) * max(rate, 1e-9)))
+        """A step's length at `rate`: step_seconds, or longer (at most 3 ×) when that judges fewer than min_judged requests."""
+        return min(3 * self.step_seconds, max(self.step_seconds, self.min_judged / ((1 - self.settle) * max(rate, 1e-9))))
 
 
 @dataclass
