@@ -127,9 +127,7 @@ class SloPolicy:
         self._learn(observation)
         single = self._single_item_batches(observation)
         if single is not None:
-            proposal = knobs.replace(batch_timeout=clamp_knob(bounds, "batch_timeout", 0.0))
-            changes = describe_changes(knobs, proposal)
-            return Decision(proposal, f"{single}: {changes}" if changes else f"{single}: no change")
+            return _decision(knobs, knobs.replace(batch_timeout=clamp_knob(bounds, "batch_timeout", 0.0)), single)
         if self.fit.points < p.min_points or self.fit.size_std < p.min_batch_size_std or self.fit.slope <= 0:
             return Decision(
                 knobs,
@@ -150,8 +148,7 @@ class SloPolicy:
             f"{self._fit_text()}; {demand:.0f} items/s on {knobs.process_count} workers: B={size} "
             f"(service {service * 1000:.1f} ms{capacity_note}), wait {timeout * 1000:.1f} ms"
         )
-        changes = describe_changes(knobs, proposal)
-        return Decision(proposal, f"{why}: {changes}" if changes else f"{why}: no change")
+        return _decision(knobs, proposal, why)
 
     def _single_item_batches(self, observation: Observation) -> str | None:
         """Why no wait is worth it when nearly every batch in the window held one item although
@@ -204,6 +201,11 @@ class SloPolicy:
 
     def _fit_text(self) -> str:
         return f"model ≈ {self.fit.intercept * 1000:.2f} ms + {self.fit.slope * 1000:.3f} ms × B"
+
+
+def _decision(knobs: Knobs, proposal: Knobs, why: str) -> Decision:
+    changes = describe_changes(knobs, proposal)
+    return Decision(proposal, f"{why}: {changes}" if changes else f"{why}: no change")
 
 
 def item_demand(load: Load) -> float:
