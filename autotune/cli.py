@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 
@@ -11,17 +12,17 @@ log = logging.getLogger("selftune")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="selftune", description="A model-inference server that tunes itself while it serves.")
+    parser.add_argument("--version", action="version", version=f"selftune {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API)")
-    serve.add_argument("--config", help="YAML config file (default: configs/default.yaml)")
-    serve.add_argument("--model", help="model directory, builtin:minilm, builtin:smollm2, a .gguf file, or a cached hub name")
-    serve.add_argument("--task", choices=["embed", "generate"])
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--workers", type=int, help="worker processes (concurrency.process_count)")
-    serve.add_argument("--policy", help="autotuning policy file (autotune.policy)")
-    serve.add_argument("--no-autotune", action="store_true", help="keep the configured knobs; no controller")
+    add_config_options(serve)
     serve.set_defaults(run=run_serve)
+    config = commands.add_parser("config", help="the server config: `selftune config show` prints the effective one")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", help="print the effective config (YAML), each value with where it came from; "
+                                      "takes serve's options")
+    add_config_options(show)
+    show.set_defaults(run=run_config_show)
     from autotune.bench.cli import register as register_bench
     from autotune.offline_cli import register
 
@@ -31,10 +32,28 @@ def main(argv: list[str] | None = None) -> int:
     return args.run(args)
 
 
-def run_serve(args) -> int:
-    from autotune.settings import ConfigError, load_config
+def version() -> str:
+    try:
+        return importlib.metadata.version("selftune")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
-    overrides = {
+
+def add_config_options(parser) -> None:
+    """The options of `serve` that set config keys (also taken by `config show`)."""
+    parser.add_argument("--config", help="YAML config file, or builtin:NAME for a shipped one (default: builtin:default)")
+    parser.add_argument("--model", help="model directory, builtin:minilm, builtin:smollm2, a .gguf file, or a cached hub name")
+    parser.add_argument("--task", choices=["embed", "generate"])
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--workers", type=int, help="worker processes (concurrency.process_count)")
+    parser.add_argument("--policy", help="autotuning policy file, or builtin:NAME (autotune.policy)")
+    parser.add_argument("--no-autotune", action="store_true", help="keep the configured knobs; no controller")
+
+
+def config_overrides(args) -> dict:
+    """The config keys that the command line sets, {"section.key": value}."""
+    return {
         key: value
         for key, value in {
             "model.name": args.model,
@@ -47,8 +66,24 @@ def run_serve(args) -> int:
         }.items()
         if value is not None
     }
+
+
+def run_config_show(args) -> int:
+    from autotune.settings import ConfigError, effective_config
+
     try:
-        config = load_config(args.config, overrides)
+        print(effective_config(args.config, config_overrides(args)), end="")
+    except ConfigError as exc:
+        print(f"selftune: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_serve(args) -> int:
+    from autotune.settings import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, config_overrides(args))
     except ConfigError as exc:
         print(f"selftune: {exc}", file=sys.stderr)
         return 2

@@ -15,12 +15,13 @@ import time
 
 import yaml
 
+from autotune import shipped
 from autotune.bench.modes import parse_knobs
 from engine.config import INFLIGHT_BATCHES, Knobs
 
-PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_COST_MODEL = os.path.join(PROJECT_DIR, "configs", "costmodels", "epyc-2core-minilm.json")
-STATIC_POLICY = os.path.join(PROJECT_DIR, "configs", "policies", "static.yaml")
+DEFAULT_COST_MODEL = "builtin:epyc-2core-minilm"
+STATIC_POLICY = "builtin:static"
+CALIBRATED_COST_MODEL = "costmodel-calibrated.json"
 
 
 def register(subparsers) -> None:
@@ -29,15 +30,16 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="builtin:minilm")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quick", action="store_true", help="a small grid (under ~3 minutes on 2 cores)")
-    p.add_argument("--out", default=DEFAULT_COST_MODEL, help="cost model JSON to write (a PNG goes beside it)")
+    p.add_argument("--out", default="costmodel.json", help="cost model JSON to write (a PNG goes beside it); "
+                   "`simulate`/`tune`/`validate --cost-model` take it")
     p.add_argument("--seed", type=int, default=0, help="seeds the held-out split")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_profile)
 
     s = subparsers.add_parser("simulate", help="run a workload through the simulated engine under a policy")
     s.add_argument("--workload", required=True, help="`kind:key=value,...` (see autotune/workloads.py) or a YAML file")
-    s.add_argument("--policy", default=STATIC_POLICY, help="policy file (as `selftune serve --policy`)")
-    s.add_argument("--cost-model", default=DEFAULT_COST_MODEL)
+    s.add_argument("--policy", default=STATIC_POLICY, help="policy file or builtin:NAME (as `selftune serve --policy`)")
+    s.add_argument("--cost-model", default=DEFAULT_COST_MODEL, help="cost model JSON or builtin:NAME (default: %(default)s)")
     s.add_argument("--slo", type=float, default=0.5, help="latency objective in seconds")
     _sim_arguments(s)
     s.add_argument("--out", help="directory for simulation.json and simulation.png")
@@ -45,8 +47,8 @@ def register(subparsers) -> None:
     s.set_defaults(run=run_simulate)
 
     t = subparsers.add_parser("tune", help="tune a policy's parameters (and the static knobs) in the simulator")
-    t.add_argument("--config", required=True, help="tune config YAML (see configs/tune/)")
-    t.add_argument("--policy", help="policy file to tune (overrides the config's)")
+    t.add_argument("--config", required=True, help="tune config YAML, or builtin:NAME (configs/tune/NAME.yaml)")
+    t.add_argument("--policy", help="policy file or builtin:NAME to tune (overrides the config's)")
     t.add_argument("--objective", choices=["goodput", "slo_attainment", "cost_per_request"])
     t.add_argument("--method", choices=["differential_evolution", "nelder-mead", "grid"])
     t.add_argument("--out", help="directory for the tuned policy YAML and tune.json")
@@ -58,8 +60,9 @@ def register(subparsers) -> None:
     v.add_argument("--rates", default="20,60,100,140,180", help="Poisson rates (req/s) for the default workloads, light to overload")
     v.add_argument("--seconds", type=float, default=40.0, help="length of each default workload")
     v.add_argument("--length", default="16-64", help="input tokens of the default workloads and the calibration (N or LOW-HIGH)")
-    v.add_argument("--policy", help="a policy file, for both sides (default: static knobs)")
-    v.add_argument("--cost-model", default=DEFAULT_COST_MODEL)
+    v.add_argument("--policy", help="a policy file or builtin:NAME, for both sides (default: static knobs)")
+    v.add_argument("--cost-model", default=DEFAULT_COST_MODEL, help="cost model JSON or builtin:NAME (default: %(default)s); "
+                   f"--calibrate writes into it, or into ./{CALIBRATED_COST_MODEL} for a builtin one")
     v.add_argument("--model", default="builtin:minilm")
     v.add_argument("--slo", type=float, default=0.5)
     _sim_arguments(v)
@@ -161,8 +164,8 @@ def run_simulate(args) -> int:
 
     try:
         arrivals = load_workload(args.workload)
-        policy = load_policy(args.policy)
-        cost_model = load_cost_model(args.cost_model)
+        policy = load_policy(str(shipped.resolve(args.policy, shipped.POLICY)))
+        cost_model = load_cost_model(str(shipped.resolve(args.cost_model, shipped.COST_MODEL)))
         config = sim_config(args, args.slo, serving=cost_model.serving)
     except (ValueError, OSError) as exc:  # a PolicyError is a ValueError
         print(f"selftune simulate: {exc}", file=sys.stderr)
@@ -207,11 +210,15 @@ def run_tune(args) -> int:
         write_policy,
     )
 
-    with open(args.config, encoding="utf-8") as f:
-        config = yaml.safe_load(f) or {}
-    policy_path = args.policy or config.get("policy", STATIC_POLICY)
-    with open(policy_path, encoding="utf-8") as f:
-        spec = yaml.safe_load(f)
+    try:
+        with open(shipped.resolve(args.config, shipped.TUNE_CONFIG), encoding="utf-8") as f:
+            config = yaml.safe_load(f) or {}
+        policy_path = str(shipped.resolve(args.policy or config.get("policy", STATIC_POLICY), shipped.POLICY))
+        with open(policy_path, encoding="utf-8") as f:
+            spec = yaml.safe_load(f)
+    except OSError as exc:
+        print(f"selftune tune: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     objective = args.objective or config.get("objective", "goodput")
     search = config.get("search", {}) or {}
     method = args.method or search.get("method", "differential_evolution")
@@ -222,7 +229,7 @@ def run_tune(args) -> int:
             raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k != 'knobs')}")
         setattr(defaults, key, value)
     knobs = Knobs(**config.get("knobs", {}))
-    cost_model = load_cost_model(config.get("cost_model", DEFAULT_COST_MODEL))
+    cost_model = load_cost_model(str(shipped.resolve(config.get("cost_model", DEFAULT_COST_MODEL), shipped.COST_MODEL)))
     problem = Problem(
         spec=spec,
         workloads=[load_workload(w) for w in config.get("workloads", [])],
@@ -282,7 +289,8 @@ def run_validate(args) -> int:
     from autotune.workloads import poisson
 
     try:
-        cost_model = load_cost_model(args.cost_model)
+        cost_model = load_cost_model(str(shipped.resolve(args.cost_model, shipped.COST_MODEL)))
+        policy = str(shipped.resolve(args.policy, shipped.POLICY)) if args.policy else None
         config = sim_config(args, args.slo, serving=cost_model.serving)
         low, _, high = args.length.partition("-")
         length = (int(low), int(high)) if high else int(low)
@@ -298,10 +306,12 @@ def run_validate(args) -> int:
         light, busy = poisson(30.0, 15.0, length, seed=99), poisson(args.calibrate_rate, 15.0, length, seed=98)
         serving = calibrate(config.knobs, args.model, light, busy, cost_model, config.cores, say)
         cost_model = dataclasses.replace(cost_model, serving=serving)
-        cost_model.save(args.cost_model)
-        say(f"wrote the serving costs into {args.cost_model}")
+        # A shipped cost model is never rewritten: it may live inside an installed package.
+        target = CALIBRATED_COST_MODEL if args.cost_model.startswith(shipped.BUILTIN) else args.cost_model
+        cost_model.save(target)
+        say(f"wrote the serving costs into {target}")
         config = sim_config(args, args.slo, serving=serving)
-    rows = validate(workloads, config.knobs, args.policy, cost_model, config, args.model, args.slo, say)
+    rows = validate(workloads, config.knobs, policy, cost_model, config, args.model, args.slo, say)
     text = table(rows)
     print(text)
     if args.out:

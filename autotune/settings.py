@@ -14,12 +14,12 @@ from typing import Annotated, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from autotune import shipped
 from engine import packing
 from engine.config import Bounds, EngineConfig, Knobs
 from engine.http.state import ServerLimits
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = PROJECT_DIR / "configs" / "default.yaml"
+DEFAULT_CONFIG = shipped.builtin(shipped.CONFIG, "default")
 
 
 class ConfigError(ValueError):
@@ -116,8 +116,8 @@ class MonitorsSection(Section):
 
 class AutotuneSection(Section):
     enabled: bool = True
-    policy: str = "configs/policies/default.yaml"
-    """Policy file; a relative path is taken from the project directory, then the current one."""
+    policy: str = "builtin:default"
+    """Policy file: `builtin:NAME` for a shipped one, or a path (relative: to the current directory)."""
     interval_seconds: Annotated[float, Field(gt=0, le=3600)] = 2.0
     cooldown_seconds: Annotated[float, Field(ge=0, le=3600)] = 4.0
     dry_run: bool = False
@@ -126,10 +126,7 @@ class AutotuneSection(Section):
     memory_budget_bytes: Annotated[int, Field(ge=1)] | None = None
 
     def policy_path(self) -> Path:
-        path = Path(self.policy).expanduser()
-        if path.is_absolute() or path.exists():
-            return path
-        return PROJECT_DIR / path
+        return shipped.resolve(self.policy, shipped.POLICY)
 
 
 class AdminSection(Section):
@@ -196,15 +193,7 @@ class ServerConfig(Section):
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServerConfig:
     """Read, merge command-line overrides ({"section.key": value}), validate, check the knobs."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    path, raw = _read(path)
     for dotted, value in (overrides or {}).items():
         section, key = dotted.split(".")
         if not isinstance(raw.setdefault(section, {}), dict):
@@ -218,7 +207,46 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         config.bounds_obj().validate(config.knobs())
     except ValueError as exc:
         raise ConfigError(f"{path}: concurrency.{exc} (see the bounds: section)") from None
+    if config.autotune.enabled:
+        try:
+            config.autotune.policy_path()
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{path}: autotune.policy: {config.autotune.policy}: {exc.strerror}") from None
     return config
+
+
+def effective_config(path: str | Path | None = None, overrides: dict | None = None) -> str:
+    """The config `load_config` gives, as YAML a user can start a file from: every key, each
+    value with where it came from (the command line, the file, or the built-in default)."""
+    overrides = overrides or {}
+    config = load_config(path, overrides)
+    source, raw = _read(path)
+    name = "builtin:default" if source == DEFAULT_CONFIG else str(source)
+    lines = [f"# selftune's effective config: the defaults, then {name}, then the command line"]
+    for section, values in config.model_dump().items():
+        lines.append(f"{section}:")
+        for key, value in values.items():
+            origin = "command line" if f"{section}.{key}" in overrides else name if key in raw.get(section, {}) else "default"
+            if (section, key) == ("concurrency", "process_count") and value == "auto":
+                origin += f"; auto is {config.knobs().process_count} on this machine"
+            text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).removesuffix("\n...\n").strip()
+            lines.append(f"  {key}: {text}   # {origin}")
+    return "\n".join(lines) + "\n"
+
+
+def _read(path: str | Path | None) -> tuple[Path, dict]:
+    """The file a --config value names, and its top-level mapping."""
+    try:
+        path = shipped.resolve(path, shipped.CONFIG) if path is not None else DEFAULT_CONFIG
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        path = exc.filename if exc.filename is not None else path
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    return path, raw
 
 
 def _describe(path: Path, exc: ValidationError) -> str:

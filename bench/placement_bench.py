@@ -16,8 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_bench import LoadMonitor, log, make_texts, saturate  # noqa: E402
+from engine_bench import TARGET_TOKENS, LoadMonitor, log, saturate  # noqa: E402
 
+from autotune.bench.inputs import texts_of_tokens  # noqa: E402
 from engine.config import EngineConfig, Knobs  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loading import load_tokenizer  # noqa: E402
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     source = resolve_model("builtin:minilm", cache_dir="/nonexistent")
-    texts = make_texts(load_tokenizer(source.path))
+    texts = texts_of_tokens(load_tokenizer(source.path), tokens=TARGET_TOKENS)
     knobs = Knobs(process_count=2, threads_per_process=1, io_threads=2, batch_timeout=0.002, max_batch_size=64)
     mon = LoadMonitor()
     runs = {"auto": [], "none": []}

@@ -21,5 +21,8 @@ def leak(mb_per_min: float) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
     threading.Thread(target=leak, args=(float(sys.argv[1]),), daemon=True).start()
     sys.exit(main(sys.argv[2:]))

@@ -18,7 +18,11 @@ from engine.config import Knobs
 from policies.loader import load_policy, policy_from_spec
 
 COST_MODEL = "configs/costmodels/epyc-2core-minilm.json"
-AZURE = str(Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "azure_llm_conv_2023.csv")
+# The first 120 s of the Azure LLM conversation trace, byte for byte (tests/fixtures/README.md).
+AZURE_EXCERPT = str(Path(__file__).resolve().parent / "fixtures" / "traces" / "azure_llm_conv_2023_first120s.csv")
+# The whole hour, where the workplace's shared/ folder sits beside the checkout (CI has it);
+# the test that reads it skips without it.
+AZURE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "azure_llm_conv_2023.csv"
 
 
 def single_server() -> dict:
@@ -169,17 +173,28 @@ def test_step_workload_scales_process_count_up_and_down():
     assert all(d["outcome"] == "applied" for d in summary["decisions"])
 
 
-def test_azure_trace_loads_with_its_count_and_span():
-    arrivals = trace(AZURE)
-    assert len(arrivals) == 19_366
+def test_azure_trace_excerpt_loads_with_its_count_span_clipping_and_speed():
+    arrivals = trace(AZURE_EXCERPT)
+    assert len(arrivals) == 456
     times = [t for t, _ in arrivals]
     assert times[0] == 0.0 and times == sorted(times)
-    assert times[-1] == pytest.approx(3501.7, abs=0.1)
+    assert times[-1] == pytest.approx(119.9, abs=0.1)
+    # the excerpt holds prompts of 4,107 tokens: clipped to MiniLM's 512; none below 1
     assert max(n for _, n in arrivals) == 512 and min(n for _, n in arrivals) >= 1
-    faster = trace(AZURE, speed=2.0)
+    assert max(n for _, n in trace(AZURE_EXCERPT, max_tokens=100_000)) == 4107
+    faster = trace(AZURE_EXCERPT, speed=2.0)
     assert faster[-1][0] == pytest.approx(times[-1] / 2)
-    part = trace(AZURE, start=600, duration=300)
-    assert 0 < len(part) < len(arrivals) and part[-1][0] < 300
+    part = trace(AZURE_EXCERPT, start=60, duration=30)
+    assert 0 < len(part) < len(arrivals) and part[0][0] >= 0 and part[-1][0] < 30
+
+
+@pytest.mark.skipif(not AZURE.is_file(), reason=f"the full Azure trace is not at {AZURE} (only CI and the workplace have shared/)")
+def test_azure_trace_loads_with_its_count_and_span():
+    arrivals = trace(str(AZURE))
+    assert len(arrivals) == 19_366
+    times = [t for t, _ in arrivals]
+    assert times[-1] == pytest.approx(3501.7, abs=0.1)
+    assert arrivals[: len(trace(AZURE_EXCERPT))] == trace(AZURE_EXCERPT)
 
 
 def synthetic_problem(objective: str) -> Problem:
