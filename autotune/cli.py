@@ -44,6 +44,7 @@ def add_config_options(parser) -> None:
     parser.add_argument("--config", help="YAML config file, or builtin:NAME for a shipped one (default: builtin:default)")
     parser.add_argument("--model", help="model directory, builtin:minilm, builtin:smollm2, a .gguf file, or a cached hub name")
     parser.add_argument("--task", choices=["embed", "generate"])
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME", help="names requests may use for the model (model.served_names)")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--workers", type=int, help="worker processes (concurrency.process_count)")
@@ -58,6 +59,7 @@ def config_overrides(args) -> dict:
         for key, value in {
             "model.name": args.model,
             "model.task": args.task,
+            "model.served_names": args.served_model_name,
             "server.host": args.host,
             "server.port": args.port,
             "concurrency.process_count": args.workers,

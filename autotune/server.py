@@ -36,7 +36,8 @@ def build_app(engine: Engine, config: ServerConfig, gpu: GpuMonitor | None = Non
     """The app for a started engine, with /metrics served and, unless off, the autotuner."""
     telemetry = Telemetry(engine, interval=config.monitors.interval_seconds, window=config.monitors.window_seconds, gpu=gpu)
     app = create_app(
-        engine, config.server_limits(), config.admin.token_env, config.server.shutdown_grace_seconds, before_shutdown=telemetry.stop
+        engine, config.server_limits(), config.admin.token_env, config.server.shutdown_grace_seconds, before_shutdown=telemetry.stop,
+        served_names=tuple(config.model.served_names or ()),
     )
     state = app.state.selftune
     telemetry.state = state

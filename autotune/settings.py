@@ -44,6 +44,7 @@ class ModelSection(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_input_tokens: Annotated[int, Field(ge=1)] | None = None
     pack_row_tokens: Annotated[int, Field(ge=0, le=65536)] = packing.DEFAULT_ROW_TOKENS
+    served_names: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=16)] | None = None
 
 
 class ConcurrencySection(Section):

@@ -530,8 +530,7 @@ class EngineCore:
         handle.batches[batch.batch_id] = (batch, -1, now)
         self.counters.batches += 1
         self.counters.items += 1
-        p = item.payload
-        self._send(handle, m.AddSequence(item.request_id, p["prompt_ids"], p["max_tokens"], p["temperature"], p["top_p"], p["seed"], p["stop_token_ids"]))
+        self._send(handle, m.AddSequence(item.request_id, job.prompt_ids, job.params))
 
     def _on_embed_done(self, handle: WorkerHandle, msg: m.EmbedDone) -> None:
         batch, slot, _ = handle.batches.pop(msg.batch_id)
@@ -574,7 +573,7 @@ class EngineCore:
     def _on_tokens(self, handle: WorkerHandle, msg: m.Tokens) -> None:
         handle.busy_seconds += msg.model_seconds
         now = time.monotonic()
-        for seq_id, token_id, finish in msg.outputs:
+        for seq_id, token_id, finish, logprobs in msg.outputs:
             job = self.gen_jobs.get(seq_id)
             if job is None:
                 continue
@@ -587,7 +586,7 @@ class EngineCore:
                 self.counters.completed += 1
                 handle.batches.pop(job.batch_id, None)
                 self._finish_work(handle, job.batch_id, 1, 0.0)
-            job.stream.put(TokenEvent(token_id, finish))
+            job.stream.put(TokenEvent(token_id, finish, logprobs))
 
     def _on_work_failed(self, handle: WorkerHandle, msg: m.WorkFailed) -> None:
         error = ModelFailed(f"the model failed on this input: {msg.error}")

@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -29,18 +28,10 @@ from engine.io_pool import IOPool
 from engine.jobs import EmbedJob, EngineClosed, GenerateJob, InputTooLong, TokenStream
 from engine.loading import ModelInfo, load_tokenizer, model_info, token_ids
 from engine.model_source import ModelSource, resolve_model
+from engine.sampling import SamplingParams
 from engine.stats import EngineStats, LatencyHistograms
 
 log = logging.getLogger("selftune.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
 
 
 class Engine:
@@ -226,19 +217,24 @@ class Engine:
             if min(ids) < 0 or max(ids) >= vocab:
                 raise ValueError(f"input {index} has token ids outside the vocabulary [0, {vocab})")
 
-    def check_generation(self, prompt_ids: list[int], max_tokens: int) -> None:
-        """Reject a generation that cannot fit the model, whatever the load."""
+    def check_generation(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Reject a generation that cannot fit the model, whatever the load, or that names
+        token ids outside its vocabulary (they would index past the logits in the worker)."""
         self.check_tokens([prompt_ids])
-        if len(prompt_ids) + max_tokens > self.info.max_length:
+        if len(prompt_ids) + params.max_tokens > self.info.max_length:
             raise InputTooLong(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {self.info.max_length}"
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of {self.info.max_length}"
             )
+        vocab = self.info.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{name}: token ids must be in [0, {vocab})")
 
     @property
     def max_input_tokens(self) -> int:
         return min(self.config.max_input_tokens or self.info.max_length, self.info.max_length)
 
-    def generate(self, prompt: str | list[int], params: GenerationParams = GenerationParams(), on_event=None) -> TokenStream:
+    def generate(self, prompt: str | list[int], params: SamplingParams = SamplingParams(), on_event=None) -> TokenStream:
         """Start a generation; the stream yields TokenEvents as the worker makes them.
 
         `on_event`, if given, receives every event instead (on the engine's thread; keep it
@@ -246,20 +242,13 @@ class Engine:
         """
         self._check_open()
         prompt_ids = self.prompt_ids(prompt)
-        self.check_generation(prompt_ids, params.max_tokens)
+        self.check_generation(prompt_ids, params)
         request_id = next(self._ids)
         stream = TokenStream(request_id, len(prompt_ids))
         stream.on_event = on_event
-        payload = {
-            "prompt_ids": tuple(prompt_ids),
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "seed": params.seed,
-            "stop_token_ids": tuple(params.stop_token_ids),
-        }
         now = time.monotonic()
-        job = GenerateJob(request_id, Item(request_id, 0, len(prompt_ids), now, payload), stream, now)
+        item = Item(request_id, 0, len(prompt_ids), now, None)
+        job = GenerateJob(request_id, item, stream, now, prompt_ids=tuple(prompt_ids), params=params)
         self._core.call(self._core.submit_generate, job).result()
         return stream
 

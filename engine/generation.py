@@ -37,40 +37,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from engine.sampling import SamplingParams, TokenLogprobs
+
 __all__ = ["GenerationRunner", "SamplingParams", "SequenceRequest", "TokenOutput"]
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How one sequence picks its tokens; validated on construction so bad input fails at `add`."""
-
-    max_tokens: int = 16
-    """Generated tokens (not counting the prompt) after which the sequence finishes with "length"."""
-    temperature: float = 1.0
-    """0 means greedy (argmax), like OpenAI; otherwise logits are divided by it before softmax."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches top_p."""
-    seed: int | None = None
-    """Seeds a per-sequence torch.Generator, so the same seed gives the same tokens whatever
-    else is in the batch. None draws a seed from torch's default RNG."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Token ids that finish the sequence with "stop", in addition to the model's EOS ids."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when the token is the argmax (temperature 0); such sequences need no generator."""
-        return self.temperature == 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,40 +62,51 @@ class TokenOutput:
     token_id: int
     finish_reason: str | None
     """None while running; "stop" (EOS or a stop token, which is still reported) or "length"."""
+    logprobs: TokenLogprobs | None = None
+    """Set when the sequence's params ask for log-probabilities."""
 
 
 class _Sequence:
     """Mutable per-sequence state the runner keeps between steps."""
 
-    __slots__ = ("request", "generator", "num_generated", "last_token", "stop_ids")
+    __slots__ = ("request", "generator", "output_ids", "last_token", "stop_ids", "banned_early")
 
-    def __init__(self, request: SequenceRequest, generator: torch.Generator | None, stop_ids: frozenset[int]):
+    def __init__(self, request: SequenceRequest, generator: torch.Generator | None, eos: frozenset[int]):
+        params = request.params
         self.request = request
         self.generator = generator
-        self.num_generated = 0
+        self.output_ids: list[int] = []
+        """Generated so far; the penalties read it."""
         self.last_token = -1
         """Newest sampled token: not yet in the KV cache, it is the next decode step's input."""
-        self.stop_ids = stop_ids
+        stop = frozenset(int(t) for t in params.stop_token_ids)
+        self.stop_ids = stop if params.ignore_eos else eos | stop
+        self.banned_early = eos | stop if params.min_tokens else frozenset()
+        """Masked out of the logits until min_tokens tokens have been generated."""
 
     @property
     def seq_id(self) -> int:
         return self.request.seq_id
 
     @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
     def next_position(self) -> int:
         """Position id of `last_token`, i.e. the number of tokens already in the cache."""
         return len(self.request.prompt_ids) + self.num_generated - 1
 
-    def accept(self, token: int) -> TokenOutput:
+    def accept(self, token: int, logprobs: TokenLogprobs | None = None) -> TokenOutput:
         """Record a sampled token and decide whether it finishes the sequence."""
-        self.num_generated += 1
+        self.output_ids.append(token)
         self.last_token = token
         reason = None
         if token in self.stop_ids:
             reason = FINISH_STOP
         elif self.num_generated >= self.request.params.max_tokens:
             reason = FINISH_LENGTH
-        return TokenOutput(self.seq_id, token, reason)
+        return TokenOutput(self.seq_id, token, reason, logprobs)
 
 
 class GenerationRunner:
@@ -189,8 +172,7 @@ class GenerationRunner:
                 f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.params.max_tokens}) exceeds "
                 f"the model's context of {self._max_positions} positions"
             )
-        stop_ids = self._eos | frozenset(int(t) for t in request.params.stop_token_ids)
-        self._waiting[request.seq_id] = _Sequence(request, self._make_generator(request.params), stop_ids)
+        self._waiting[request.seq_id] = _Sequence(request, self._make_generator(request.params), self._eos)
 
     def abort(self, seq_id: int) -> bool:
         """Drop a waiting or running sequence; False if it is unknown (or already finished)."""
@@ -256,7 +238,7 @@ class GenerationRunner:
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
         cache = DynamicCache()
         logits = self._forward(ids, mask, positions, cache)
-        outputs = [seq.accept(tok) for seq, tok in zip(seqs, self._sample(logits, seqs))]
+        outputs = [seq.accept(*picked) for seq, picked in zip(seqs, self._sample(logits, seqs))]
         keep = [row for row, out in enumerate(outputs) if out.finish_reason is None]
         if len(keep) < len(seqs):
             cache, mask = _select_rows(cache, mask, keep)
@@ -282,7 +264,7 @@ class GenerationRunner:
         positions = torch.tensor([[s.next_position] for s in self._rows], dtype=torch.long, device=self._device)
         self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
         logits = self._forward(ids, self._mask, positions, self._cache)
-        outputs = [seq.accept(tok) for seq, tok in zip(self._rows, self._sample(logits, self._rows))]
+        outputs = [seq.accept(*picked) for seq, picked in zip(self._rows, self._sample(logits, self._rows))]
         finished = [row for row, out in enumerate(outputs) if out.finish_reason is not None]
         if finished:
             self._retire(finished)
@@ -310,26 +292,68 @@ class GenerationRunner:
         )
         return out.logits[:, -1, :].float()
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
         """Pick one token per row following that row's own sampling params."""
-        return sample_tokens(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+        params = [s.request.params for s in seqs]
+        logprobs = _logprobs_of(logits, params)  # of the model's own distribution, before any penalty
+        for row, seq in enumerate(seqs):
+            _adjust(logits[row], seq)
+        tokens = sample_tokens(logits, params, [s.generator for s in seqs])
+        return [(token, lp(token) if lp else None) for token, lp in zip(tokens, logprobs)]
 
 
 # ------------------------------------------------------------------------- helpers
 
 
+def _adjust(row: torch.Tensor, seq: _Sequence) -> None:
+    """Apply one sequence's penalties and min_tokens ban to its row of logits, in place."""
+    params = seq.request.params
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.request.prompt_ids) | set(seq.output_ids)), device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if seq.output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(seq.output_ids, device=row.device).unique(return_counts=True)
+        row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        row[torch.tensor(ids, device=row.device)] += torch.tensor(biases, device=row.device, dtype=row.dtype)
+    if seq.banned_early and seq.num_generated < params.min_tokens:
+        row[torch.tensor(sorted(seq.banned_early), device=row.device)] = -float("inf")
+
+
+def _logprobs_of(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list:
+    """Per row: None, or a function token -> TokenLogprobs over the row's raw log-softmax."""
+    wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
+    found: list = [None] * len(params)
+    if not wanted:
+        return found
+    table = torch.log_softmax(logits.index_select(0, torch.tensor(wanted, device=logits.device)), dim=-1)
+    for i, row in enumerate(wanted):
+        k = params[row].logprobs
+        top = table[i].topk(k) if k else None
+        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        found[row] = lambda token, lsm=table[i], alt=alternatives: TokenLogprobs(float(lsm[token]), alt)
+    return found
+
+
 def sample_tokens(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> list[int]:
-    """Greedy rows take the argmax; the others sample from temperature-scaled, top-p-filtered
-    probabilities with their own generator (one multinomial per row, because a generator
-    belongs to one sequence)."""
+    """Greedy rows take the argmax; the others sample from temperature-scaled, top-k- and
+    top-p-filtered probabilities with their own generator (one multinomial per row, because a
+    generator belongs to one sequence)."""
     tokens = logits.argmax(dim=-1)
     sampled = [row for row, p in enumerate(params) if not p.greedy]
     if sampled:
         index = torch.tensor(sampled, device=logits.device)
         temps = torch.tensor([params[r].temperature for r in sampled], device=logits.device, dtype=logits.dtype)
         probs = torch.softmax(logits.index_select(0, index) / temps[:, None], dim=-1)
+        for i, row in enumerate(sampled):
+            k = params[row].top_k
+            if 0 < k < probs.shape[-1]:
+                kth = probs[i].topk(k).values[-1]
+                probs[i] = probs[i].masked_fill(probs[i] < kth, 0.0)
         top_p = [params[r].top_p for r in sampled]
         if any(p < 1.0 for p in top_p):
             probs = _top_p_filter(probs, torch.tensor(top_p, device=logits.device, dtype=probs.dtype))

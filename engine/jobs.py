@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 
 from engine.batcher import Item
+from engine.sampling import SamplingParams, TokenLogprobs
 
 
 class EngineError(RuntimeError):
@@ -72,6 +73,7 @@ class TokenEvent:
     token_id: int
     finish_reason: str | None
     """None while generating; "stop", "length" or "abort" on the last event."""
+    logprobs: TokenLogprobs | None = None
 
 
 class TokenStream:
@@ -112,6 +114,8 @@ class GenerateJob:
     item: Item
     stream: TokenStream
     created: float
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
     emitted: int = 0
     last_token_at: float | None = None
     worker_id: int | None = None

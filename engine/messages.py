@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import Task
+from engine.sampling import SamplingParams, TokenLogprobs
 
 # ---- front -> zygote ---------------------------------------------------------------------
 
@@ -81,11 +82,7 @@ class RunEmbed:
 class AddSequence:
     seq_id: int
     prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop_token_ids: tuple[int, ...] = ()
+    params: SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +131,9 @@ class EmbedDone:
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
-    """Tokens produced by one decode step: (seq_id, token_id, finish_reason or None)."""
+    """Tokens produced by one decode step: (seq_id, token_id, finish_reason or None, logprobs or None)."""
 
-    outputs: tuple[tuple[int, int, str | None], ...]
+    outputs: tuple[tuple[int, int, str | None, TokenLogprobs | None], ...]
     model_seconds: float
 
 

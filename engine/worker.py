@@ -124,11 +124,10 @@ class GenerateWorker:
             self.runner.step()
 
     def handle(self, msg) -> bool:
-        from engine.generation import SamplingParams, SequenceRequest
+        from engine.generation import SequenceRequest
 
         if isinstance(msg, m.AddSequence):
-            params = SamplingParams(msg.max_tokens, msg.temperature, msg.top_p, msg.seed, msg.stop_token_ids)
-            self.runner.add(SequenceRequest(msg.seq_id, msg.prompt_ids, params))
+            self.runner.add(SequenceRequest(msg.seq_id, msg.prompt_ids, msg.params))
             self.live.add(msg.seq_id)
         elif isinstance(msg, m.AbortSequence):
             self.runner.abort(msg.seq_id)
@@ -153,8 +152,8 @@ class GenerateWorker:
             if o.finish_reason is not None:
                 self.live.discard(o.seq_id)
         if outputs:
-            triples = tuple((o.seq_id, o.token_id, o.finish_reason) for o in outputs)
-            self.conn.send(m.Tokens(triples, time.perf_counter() - started))
+            produced = tuple((o.seq_id, o.token_id, o.finish_reason, o.logprobs) for o in outputs)
+            self.conn.send(m.Tokens(produced, time.perf_counter() - started))
 
     def _abort_all(self) -> tuple[int, ...]:
         ids = tuple(self.live)

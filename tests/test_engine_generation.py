@@ -11,7 +11,8 @@ from helpers import wait_until
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig, Knobs
-from engine.engine import Engine, GenerationParams
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from engine.jobs import TokenEvent, WorkerLost
 
 PROMPTS = [[101, 7592, 2088], [101, 1996, 4248, 2829, 4419, 14523, 2058], [101, 2054], [101] + list(range(2000, 2030))]
@@ -33,7 +34,7 @@ def reference_tokens(path: str, prompt: list[int], max_tokens: int) -> list[int]
 def test_continuous_batching_matches_generate_for_each_prompt_alone(engine, tiny_causal_lm):
     """More prompts than max_batch_size, different lengths: each equals model.generate alone."""
     lengths = [12, 5, 20, 9]
-    streams = [engine.generate(p, GenerationParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, lengths)]
+    streams = [engine.generate(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, lengths)]
     got = [[event.token_id for event in stream] for stream in streams]
     for prompt, n, tokens in zip(PROMPTS, lengths, got):
         expected = reference_tokens(tiny_causal_lm, prompt, n)
@@ -42,7 +43,7 @@ def test_continuous_batching_matches_generate_for_each_prompt_alone(engine, tiny
 
 
 def test_cancel_stops_a_running_generation(engine):
-    stream = engine.generate(PROMPTS[0], GenerationParams(max_tokens=200, temperature=0.8, seed=1))
+    stream = engine.generate(PROMPTS[0], SamplingParams(max_tokens=200, temperature=0.8, seed=1))
     first = stream.get(timeout=30)
     assert isinstance(first, TokenEvent)
     assert engine.cancel(stream.request_id)
@@ -51,14 +52,14 @@ def test_cancel_stops_a_running_generation(engine):
 
 
 def test_seeded_sampling_is_reproducible(engine):
-    params = GenerationParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234)
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234)
     a = [e.token_id for e in engine.generate(PROMPTS[1], params)]
     b = [e.token_id for e in engine.generate(PROMPTS[1], params)]
     assert a == b
 
 
 def test_worker_death_fails_started_generation_with_typed_error(engine):
-    stream = engine.generate(PROMPTS[2], GenerationParams(max_tokens=250, temperature=0))
+    stream = engine.generate(PROMPTS[2], SamplingParams(max_tokens=250, temperature=0))
     assert isinstance(stream.get(timeout=30), TokenEvent)
     pid = engine.stats().workers[0].pid
     os.kill(pid, signal.SIGSTOP)  # freeze it mid-generation, so the kill cannot come too late
@@ -67,5 +68,5 @@ def test_worker_death_fails_started_generation_with_typed_error(engine):
         for _ in stream:
             pass
     engine.wait_ready(timeout=60)
-    tokens = [e.token_id for e in engine.generate(PROMPTS[0], GenerationParams(max_tokens=4, temperature=0))]
+    tokens = [e.token_id for e in engine.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0))]
     assert len(tokens) == 4

@@ -83,6 +83,16 @@ def test_a_valid_request_is_answered_without_the_app_behind(engine):
     assert status == 200 and len(json.loads(body)["data"][0]["embedding"]) == 384 and behind.bodies == []
 
 
+def test_unknown_fields_are_answered_by_the_fast_path_and_named_safely_in_a_header(engine):
+    behind = Behind()
+    app = EmbeddingsFastPath(behind, ServerState(engine, ServerLimits()))
+    status, headers, _ = call(app, request(input="a", temperature=1, priority=2))
+    assert status == 200 and behind.bodies == [] and headers[b"x-selftune-ignored-fields"] == b"priority,temperature"
+    # keys no header can carry (not latin-1, control characters, commas) are counted, not shown
+    status, headers, _ = call(app, request(input="a", **{"\ud8ba\udc48": 1, "a\x01": 2, "x,y": 3, "ok": 4}))
+    assert status == 200 and headers[b"x-selftune-ignored-fields"] == b"ok,(+3 more)"
+
+
 def test_errors_of_the_endpoint_are_answered_in_the_api_format(engine):
     behind = Behind()
     app = EmbeddingsFastPath(behind, ServerState(engine, ServerLimits(max_items_per_request=2)))
@@ -103,7 +113,7 @@ def test_errors_of_the_endpoint_are_answered_in_the_api_format(engine):
     [
         dict(body=request(input=42)),  # does not validate: FastAPI words the error
         dict(body=b'{"model": "x", "input": '),  # not JSON
-        dict(body=request(input="a", temperature=1)),  # unknown field
+        dict(body=request(input="a", encoding_format="hex")),  # a known field with a bad value
         dict(body=request(input="a"), length=False),  # chunked: the size limit counts as it streams
         dict(body=request(input="a"), content_type=b"text/plain"),
         dict(body=request(input="a"), path="/v1/embeddings/"),

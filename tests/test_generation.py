@@ -314,3 +314,90 @@ def test_retiring_long_sequence_trims_cache_columns(gpt2):
     assert produced == 7
     assert runner._mask.shape == (1, width) and bool(runner._mask.all())
     assert all(layer.keys.shape[-2] == width for layer in runner._cache.layers)
+
+
+# ---- the sampling parameters clients send (OpenAI's and vLLM's) ----------------------------
+
+
+def penalized_reference(model, prompt, max_tokens, presence=0.0, frequency=0.0, repetition=1.0):
+    """Greedy decoding the slow, obvious way: the whole sequence through the model each step,
+    OpenAI's presence/frequency penalties on the output and CTRL's repetition penalty on
+    prompt + output applied to the last logits by hand."""
+    ids = list(prompt)
+    out = []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float().clone()
+            for token in set(ids):
+                if repetition != 1.0:
+                    logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
+            for token in set(out):
+                logits[token] -= presence + frequency * out.count(token)
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            if token == EOS:
+                break
+    return out
+
+
+@pytest.mark.parametrize("penalty", [{"presence": 1.5}, {"frequency": 0.7}, {"repetition": 1.8}, {"presence": -0.5, "frequency": 0.3, "repetition": 1.2}])
+def test_penalties_match_the_formula_while_batched_with_others(model, penalty):
+    names = {"presence": "presence_penalty", "frequency": "frequency_penalty", "repetition": "repetition_penalty"}
+    params = greedy(16, **{names[k]: v for k, v in penalty.items()})
+    runner = GenerationRunner(model, eos_token_ids=[EOS], max_running=4)
+    got = drain(runner, {0: [SequenceRequest(0, PROMPTS[0], params), SequenceRequest(1, PROMPTS[2], greedy(10))],
+                         2: [SequenceRequest(2, PROMPTS[5], params)]})
+    for seq_id, prompt in ((0, PROMPTS[0]), (2, PROMPTS[5])):
+        assert tokens(got[seq_id]) == penalized_reference(model, prompt, 16, **penalty)
+    assert tokens(got[1]) == reference(model, PROMPTS[2], 10)  # its neighbour is untouched
+    assert tokens(got[0]) != reference(model, PROMPTS[0], 16), "the penalty changed nothing: the test proves nothing"
+
+
+def test_min_tokens_ignore_eos_and_logit_bias(gpt2):
+    eos_first = {"logit_bias": ((EOS, 100.0),)}  # EOS becomes the argmax at every step
+    runner = GenerationRunner(gpt2, eos_token_ids=[EOS])
+    got = drain(runner, {0: [
+        SequenceRequest(0, PROMPTS[0], greedy(10, **eos_first)),
+        SequenceRequest(1, PROMPTS[0], greedy(10, min_tokens=5, **eos_first)),
+        SequenceRequest(2, PROMPTS[0], greedy(4, ignore_eos=True, **eos_first)),
+        SequenceRequest(3, PROMPTS[0], greedy(10, ignore_eos=True, stop_token_ids=(EOS,), **eos_first)),
+        SequenceRequest(4, PROMPTS[0], greedy(10, min_tokens=3, stop_token_ids=(77,), logit_bias=((77, 100.0),))),
+    ]})
+    assert tokens(got[0]) == [EOS] and got[0][-1].finish_reason == "stop"
+    assert len(got[1]) == 6 and EOS not in tokens(got[1])[:5] and tokens(got[1])[5] == EOS and got[1][-1].finish_reason == "stop"
+    assert tokens(got[2]) == [EOS] * 4 and got[2][-1].finish_reason == "length"  # past EOS to max_tokens
+    assert tokens(got[3]) == [EOS] and got[3][-1].finish_reason == "stop"  # a stop token still stops
+    assert len(got[4]) == 4 and 77 not in tokens(got[4])[:3] and tokens(got[4])[3] == 77
+
+
+def test_logprobs_are_the_models_log_softmax_with_the_top_alternatives(gpt2):
+    prompt = PROMPTS[5]
+    runner = GenerationRunner(gpt2, eos_token_ids=[EOS])
+    got = drain(runner, {0: [SequenceRequest(0, prompt, greedy(6, logprobs=3, frequency_penalty=2.0)),
+                             SequenceRequest(1, prompt, greedy(6))]})
+    ids = list(prompt)
+    with torch.inference_mode():
+        for out in got[0]:
+            expected = torch.log_softmax(gpt2(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+            assert out.logprobs.logprob == pytest.approx(float(expected[out.token_id]), abs=1e-4)
+            top_ids, top_values = zip(*out.logprobs.top)
+            assert list(top_ids) == expected.topk(3).indices.tolist()
+            assert list(top_values) == pytest.approx(expected.topk(3).values.tolist(), abs=1e-4)
+            ids.append(out.token_id)
+    assert all(o.logprobs is None for o in got[1])
+
+
+def test_top_k_one_is_greedy_and_top_k_narrows_the_samples(gpt2):
+    prompt = PROMPTS[0]
+    one = _sample_run(gpt2, [SequenceRequest(0, prompt, SamplingParams(12, 1.5, 1.0, seed=4, top_k=1))])[0]
+    assert one == reference(gpt2, prompt, 12)
+    free = _sample_run(gpt2, [SequenceRequest(0, prompt, SamplingParams(12, 1.5, 1.0, seed=4))])[0]
+    assert free != one, "sampling at temperature 1.5 gave the greedy tokens: the test proves nothing"
+
+
+def test_sampling_params_reject_what_they_cannot_do():
+    for bad in ({"top_k": -2}, {"min_tokens": 17}, {"repetition_penalty": 0.0}, {"presence_penalty": 2.5},
+                {"frequency_penalty": -3.0}, {"logprobs": 21}, {"logit_bias": ((5, 101.0),)}, {"logit_bias": ((-1, 1.0),)}):
+        with pytest.raises(ValueError):
+            SamplingParams(max_tokens=16, **bad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import importlib.metadata
 import json
 import signal
 
@@ -71,7 +72,6 @@ BAD_REQUESTS = [
     ("over-long input", json.dumps({"model": MODEL, "input": "word " * 2000}).encode(), 400),
     ("too many items", json.dumps({"model": MODEL, "input": ["a"] * 17}).encode(), 400),
     ("unknown model", json.dumps({"model": "gpt-4", "input": "a"}).encode(), 404),
-    ("unknown field", json.dumps({"model": MODEL, "input": "a", "temperature": 1}).encode(), 400),
     ("bad encoding", json.dumps({"model": MODEL, "input": "a", "encoding_format": "hex"}).encode(), 400),
     ("token ids out of vocab", json.dumps({"model": MODEL, "input": [[1, 2, 10**9]]}).encode(), 400),
     ("not utf-8", b'{"model": "all-MiniLM-L6-v2", "input": "\xff\xfe"}', 400),
@@ -91,6 +91,38 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_stays_healthy(server
     assert httpx.get(server.url + "/healthz").status_code == 200
     ok = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": "still fine"}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_unknown_fields_are_ignored_named_in_a_header_and_the_rest_still_validated(server):
+    """As vLLM does: a client's extension fields do not fail the request; the server says which it ignored."""
+    for chunked in (False, True):  # the fast path and the FastAPI route alike
+        raw = json.dumps({"model": MODEL, "input": "a", "temperature": 1, "priority": 3}).encode()
+        response = httpx.post(server.url + "/v1/embeddings", content=iter([raw]) if chunked else raw,
+                              headers={"content-type": "application/json"}, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-selftune-ignored-fields"] == "priority,temperature"
+        assert len(response.json()["data"][0]["embedding"]) == 384
+    plain = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": "a"}, timeout=30)
+    assert "x-selftune-ignored-fields" not in plain.headers
+    bad = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": "a", "encoding_format": "hex", "extra": 1}, timeout=30)
+    assert bad.status_code == 400 and "encoding_format" in bad.json()["error"]["message"]
+
+
+def test_health_version_and_tokenize_in_vllms_shapes(server):
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ready"
+    version = httpx.get(server.url + "/version").json()["version"]
+    assert version == importlib.metadata.version("selftune")
+    tokens = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "hello world", "return_token_strs": True}).json()
+    assert tokens["tokens"] == [101, 7592, 2088, 102] and tokens["count"] == 4 and tokens["max_model_len"] == 512
+    assert tokens["token_strs"] == ["[CLS]", "hello", "world", "[SEP]"]
+    bare = httpx.post(server.url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()
+    assert bare["tokens"] == [7592, 2088] and bare["token_strs"] is None
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [7592, 2088]}).json() == {"prompt": "hello world"}
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "model": "nope"}), ("/detokenize", {"tokens": [10**8]}),
+                       ("/detokenize", {"tokens": "abc"})):
+        response = httpx.post(server.url + path, json=body)
+        assert 400 <= response.status_code < 500 and response.json()["error"]["message"], (path, body, response.text)
 
 
 def test_fast_path_and_fastapi_route_answer_embeddings_alike(server):

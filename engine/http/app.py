@@ -8,7 +8,7 @@ from typing import Callable
 from fastapi import FastAPI
 
 from engine.engine import Engine
-from engine.http import admin_routes, errors, openai_routes, ops_routes
+from engine.http import admin_routes, completions, errors, openai_routes, ops_routes, tokenize_routes
 from engine.http.fast_path import EmbeddingsFastPath
 from engine.http.limits import BodySizeLimit
 from engine.http.state import ServerLimits, ServerState
@@ -21,12 +21,13 @@ def create_app(
     admin_token_env: str = "SELFTUNE_ADMIN_TOKEN",
     shutdown_grace: float = 30.0,
     before_shutdown: Callable[[], None] | None = None,
+    served_names: tuple[str, ...] = (),
 ) -> FastAPI:
     """An app serving `engine` (already started); shutting the app down shuts the engine down.
 
     `before_shutdown` runs first (e.g. stopping whoever reads the engine in the background).
     """
-    state = ServerState(engine, limits, admin_token_env)
+    state = ServerState(engine, limits, admin_token_env, tuple(served_names))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -36,10 +37,12 @@ def create_app(
             before_shutdown()
         engine.shutdown(grace=shutdown_grace)
 
-    app = FastAPI(title="selftune", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="selftune", version=ops_routes.server_version(), lifespan=lifespan)
     app.state.selftune = state
     errors.install(app)
     app.include_router(openai_routes.router)
+    app.include_router(completions.router)
+    app.include_router(tokenize_routes.router)
     app.include_router(ops_routes.router)
     app.include_router(admin_routes.router)
     app.add_middleware(EmbeddingsFastPath, state=state)  # innermost: inside the size limit and the timing

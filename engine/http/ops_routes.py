@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -17,6 +19,25 @@ def state_of(request: Request) -> ServerState:
 @router.get("/healthz")
 async def healthz():
     return {"status": "ok"}
+
+
+@router.get("/health")
+async def health(request: Request):
+    """vLLM's and TGI's health check, which benchmark clients probe: 200 when ready (as /readyz)."""
+    return await readyz(request)
+
+
+@router.get("/version")
+async def version():
+    return {"version": server_version()}
+
+
+def server_version() -> str:
+    """The installed distribution's version (GET /version, the OpenAPI document)."""
+    try:
+        return importlib.metadata.version("selftune")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 @router.get("/readyz")

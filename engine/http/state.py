@@ -31,6 +31,8 @@ class ServerState:
     engine: Engine
     limits: ServerLimits
     admin_token_env: str = "SELFTUNE_ADMIN_TOKEN"
+    served_names: tuple[str, ...] = ()
+    """Names requests may use for the model (model.served_names); empty: the model's own."""
     pinned: set[str] = field(default_factory=set)
     """Knobs set through the admin API; autotuning leaves them alone."""
     admission: Admission = field(init=False)
