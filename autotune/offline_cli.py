@@ -180,9 +180,22 @@ def run_simulate(args) -> int:
         with open(os.path.join(args.out, "simulation.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1, default=jsonable)
         plot_timeline(result, os.path.join(args.out, "simulation.png"))
-        say(f"wrote {args.out}/simulation.json and simulation.png")
+        write_report(result, args, os.path.join(args.out, "report.html"))
+        say(f"wrote {args.out}/simulation.json, simulation.png and report.html (the dashboard's views of the run)")
     emit(summary, args.json)
     return 0
+
+
+def write_report(result, args, path: str) -> None:
+    """The simulated run as the dashboard page, one HTML file."""
+    from autotune.history import offline_points, report_html
+
+    ok = ~result.rejected
+    info = {"mode": "report", "title": f"selftune simulate {args.workload}", "model": f"cost model {args.cost_model}", "task": "embed",
+            "slo_seconds": args.slo, "autotune": result.decide_calls > 0, "policy": args.policy}
+    points = offline_points(result.arrival, result.done, ok, result.knob_changes, max(result.end_time, 1.0))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(report_html({"info": info, "points": points, "decisions": result.decisions}))
 
 
 def _report_simulation(s: dict) -> None:

@@ -15,8 +15,10 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from autotune import dashboard
 from autotune.controller import Controller, ControllerConfig
 from autotune.guardrails import MachineLimits
+from autotune.history import History
 from autotune.metrics import Metrics
 from autotune.placement_topology import machine_topology
 from autotune.settings import ServerConfig
@@ -49,8 +51,11 @@ def build_app(engine: Engine, config: ServerConfig, gpu: GpuMonitor | None = Non
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     controller = build_controller(engine, config, state) if config.autotune.enabled else None
+    history = History(lambda: engine.knobs)
+    telemetry.listeners.append(history.on_observation)
     if controller is not None:
         telemetry.listeners.append(controller.on_observation)
+    dashboard.install(app, history, config, controller)
     return app, telemetry, controller
 
 

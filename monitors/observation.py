@@ -83,6 +83,8 @@ class WorkerObservation:
     busy_fraction: float
     """Share of the window the worker spent in the model (0..1)."""
     load: int
+    batch_size: float = 0.0
+    """Mean items per batch this worker ran over the window (0 when it ran none)."""
     cpu_percent: float | None = None
     rss_bytes: int | None = None
     uss_bytes: int | None = None

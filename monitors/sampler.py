@@ -167,9 +167,10 @@ class Sampler:
         out = []
         for w in workers:
             window = self._busy.setdefault(w.worker_id, SnapshotWindow(self.window_seconds))
-            window.push(now, w.busy_seconds)
+            window.push(now, np.array((w.busy_seconds, w.batches, w.items), dtype=float))
             delta = window.delta()
-            busy = min(1.0, max(0.0, delta[1] / delta[0])) if delta else 0.0
+            busy = min(1.0, max(0.0, delta[1][0] / delta[0])) if delta else 0.0
+            batch_size = delta[1][2] / delta[1][1] if delta and delta[1][1] > 0 else 0.0
             proc = procs.get(w.worker_id)
             out.append(
                 WorkerObservation(
@@ -178,6 +179,7 @@ class Sampler:
                     state=w.state,
                     busy_fraction=busy,
                     load=w.load,
+                    batch_size=batch_size,
                     cpu_percent=proc.cpu_percent if proc else None,
                     rss_bytes=proc.rss_bytes if proc else None,
                     uss_bytes=proc.uss_bytes if proc else None,

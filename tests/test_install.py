@@ -148,5 +148,5 @@ def test_the_wheel_carries_the_configs(tmp_path):
     for path in (ROOT / "configs").rglob("*"):
         if path.is_file() and path.suffix in (".yaml", ".json"):
             assert f"autotune/configs/{path.relative_to(ROOT / 'configs')}" in names
-    assert "autotune/shipped.py" in names and "engine/http/app.py" in names
+    assert "autotune/shipped.py" in names and "engine/http/app.py" in names and "autotune/dashboard.html" in names
     assert not any(n.startswith(("tests/", "bench/", "configs/")) for n in names)

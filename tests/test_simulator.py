@@ -251,3 +251,12 @@ def test_simulate_cli_prints_json_last_and_writes_the_plot(tmp_path):
     assert result["knob_trajectory"][0]["max_batch_size"] == 4
     assert (tmp_path / "simulation.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "simulation.json").read_text())["requests"] == result["requests"]
+    # the dashboard's page with the run inside: one point per simulated second, the knobs the run had
+    import re
+
+    page = (tmp_path / "report.html").read_text()
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
+    assert data["info"]["mode"] == "report" and len(data["points"]) >= 60
+    assert data["points"][0]["knobs"]["max_batch_size"] == 4
+    assert sum(p["arrival_rate"] for p in data["points"]) == pytest.approx(result["requests"], rel=0.01)
+    assert len(data["decisions"]) == len(result["decisions"]) and data["decisions"], "the policy changed nothing: the report shows no decision"

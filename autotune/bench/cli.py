@@ -295,3 +295,4 @@ def write_outputs(out: str, summary: dict, table: str, results: list[ModeResult]
         if r.mode.startswith("autotuned") or is_workload:
             name = r.mode.replace(":", "-").replace(",", "_").replace("=", "")
             report.plot_mode_timeline(r, logs[r.mode], slo, os.path.join(out, f"timeline-{name}.png"))
+            report.write_mode_report(r, logs[r.mode], slo, summary["model"], os.path.join(out, f"report-{name}.html"))

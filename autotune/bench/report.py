@@ -82,13 +82,35 @@ def plot_curves(results: list[ModeResult], slo: float, path: str) -> None:
     plt.close(fig)
 
 
+def _requests(log: RunLog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival, done, ok) per request of a mode's run."""
+    return (np.array([a for a, _, _ in log.requests]), np.array([d for _, d, _ in log.requests]),
+            np.array([o for _, _, o in log.requests], dtype=bool))
+
+
 def plot_mode_timeline(result: ModeResult, log: RunLog, slo: float, path: str) -> None:
     """One mode's latency and knobs over its whole run."""
     from autotune.plots import timeline
 
     if not log.requests or not result.timeline:
         return
-    arrival = np.array([a for a, _, _ in log.requests])
-    done = np.array([d for _, d, _ in log.requests])
-    ok = np.array([o for _, _, o in log.requests])
+    arrival, done, ok = _requests(log)
     timeline(arrival, done, ok, knob_changes(result.timeline), slo, path, "seconds since the first request", bins=200)
+
+
+def write_mode_report(result: ModeResult, log: RunLog, slo: float, model: str, path: str) -> None:
+    """One mode's run as the dashboard page (one HTML file). The knob changes come from the
+    /stats polls, so they are marked without the policy's words."""
+    from autotune.history import offline_points, report_html
+
+    if not log.requests or not result.timeline:
+        return
+    arrival, done, ok = _requests(log)
+    changes = knob_changes(result.timeline)
+    decisions = [{"at": t, "outcome": "applied", "reason": "the knobs changed (seen in /stats; the server's GET /admin/decisions has the policy's reason)",
+                  "old": old.as_dict(), "new": new.as_dict()} for (_, old), (t, new) in zip(changes, changes[1:])]
+    end = float(max(np.nanmax(done), arrival.max()))
+    info = {"mode": "report", "title": f"selftune bench: {result.mode}", "model": model, "task": "embed", "slo_seconds": slo,
+            "autotune": result.mode.startswith("autotuned"), "policy": result.mode}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(report_html({"info": info, "points": offline_points(arrival, done, ok, changes, end), "decisions": decisions}))

@@ -60,14 +60,7 @@ class ServerProcess:
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) of every process of the server so far."""
-        total = 0.0
-        for p in self.processes():
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
+        return cpu_seconds(self.processes())
 
     def memory_bytes(self) -> int:
         """Proportional set size summed over the server's processes: shared pages counted once."""
@@ -94,3 +87,15 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    """CPU time (user + system) of these processes so far; one that is gone counts nothing."""
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total

@@ -6,6 +6,8 @@ constant time. Pinned knobs are left alone by autotuning.
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Depends, Query, Request
 
 from engine.config import KnobError
@@ -46,11 +48,15 @@ async def put_knobs(patch: KnobsPatch, request: Request):
     changes = patch.model_dump(exclude_none=True)
     if not changes:
         raise APIError(422, "no knob given; send one or more of " + ", ".join(KnobsPatch.model_fields))
+    old = state.engine.knobs
     try:
-        state.engine.apply(state.engine.knobs.replace(**changes))
+        new = state.engine.apply(old.replace(**changes))
     except KnobError as exc:
         raise APIError(422, str(exc), param=str(exc).split("=")[0].split(":")[0]) from None
     state.pinned.update(changes)
+    said = ", ".join(f"{k} {getattr(old, k)} -> {v}" for k, v in changes.items())
+    state.admin_changes.append({"at": round(time.monotonic(), 3), "time": time.time(), "policy": "admin", "outcome": "admin",
+                                "reason": f"set through the admin API and pinned: {said}", "old": old.as_dict(), "new": new.as_dict()})
     return _knobs_view(state)
 
 

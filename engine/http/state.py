@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import hmac
 import os
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ class ServerState:
     """The autotuner's recent decisions, when it runs (GET /admin/decisions)."""
     reload_policy: Callable[[], str] | None = None
     """Re-read the policy file; raises ValueError with a message for a bad file."""
+    admin_changes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    """Knob changes made through the admin API, as decision-log entries (the dashboard shows them)."""
 
     def __post_init__(self):
         self.admission = Admission(self.limits.max_queued_requests, self.limits.max_queued_tokens)
