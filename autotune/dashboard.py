@@ -6,6 +6,8 @@ can change the server. The history is what the sampler already computed (autotun
 
 from __future__ import annotations
 
+import os
+
 import yaml
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse
@@ -17,7 +19,8 @@ from autotune.settings import ServerConfig
 def slo_of(policy_path) -> float | None:
     """The tightest `slo_p99_seconds` anywhere in a policy file (composite members included)."""
     try:
-        spec = yaml.safe_load(open(policy_path, encoding="utf-8"))
+        with open(policy_path, encoding="utf-8") as f:
+            spec = yaml.safe_load(f)
     except (OSError, yaml.YAMLError):
         return None
     found = []
@@ -40,7 +43,20 @@ def install(app: FastAPI, history: History, config: ServerConfig, controller) ->
     state = app.state.selftune
     engine = state.engine
     tune = config.autotune
-    slo = slo_of(tune.policy_path()) if tune.enabled else None
+    slo_seen: dict = {}  # the file read once per version of it: a reload (SIGHUP) may bring another SLO
+
+    def slo() -> float | None:
+        if controller is None:
+            return None
+        path = tune.policy_path()
+        try:
+            version = (controller.policy.name, os.stat(path).st_mtime_ns)
+        except OSError:
+            return None
+        if slo_seen.get("version") != version:
+            slo_seen.update(version=version, slo=slo_of(path))
+        return slo_seen["slo"]
+
     seconds_kept = history.capacity * config.monitors.interval_seconds
     bounds = engine.config.bounds
 
@@ -55,7 +71,7 @@ def install(app: FastAPI, history: History, config: ServerConfig, controller) ->
             "dry_run": tune.dry_run,
             "policy": controller.policy.name if controller is not None else None,
             "policy_file": str(tune.policy_path()) if controller is not None else None,
-            "slo_seconds": slo,
+            "slo_seconds": slo(),
             "bounds": {k: list(getattr(bounds, k)) for k in bounds.__dataclass_fields__},
             "pinned": sorted(state.pinned),
             "interval_seconds": config.monitors.interval_seconds,

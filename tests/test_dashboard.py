@@ -153,3 +153,13 @@ def test_a_bench_mode_report_marks_each_knob_change(tmp_path):
     assert data["info"]["title"] == "selftune bench: autotuned" and len(data["points"]) == 10
     assert [d["at"] for d in data["decisions"]] == [4.0] and data["decisions"][0]["new"]["max_batch_size"] == 32
     assert data["points"][0]["rejected_rate"] == 1.0 and data["points"][5]["knobs"]["max_batch_size"] == 32
+
+
+def test_the_slo_line_is_the_tightest_slo_in_the_policy_file(tmp_path):
+    from autotune.dashboard import slo_of
+
+    composite = tmp_path / "composite.yaml"
+    composite.write_text("kind: composite\nmembers:\n  - policy: {kind: aimd, slo_p99_seconds: 0.8}\n  - policy: {kind: slo, slo_p99_seconds: 0.3}\n")
+    assert slo_of(composite) == 0.3
+    (tmp_path / "static.yaml").write_text("kind: static\n")
+    assert slo_of(tmp_path / "static.yaml") is None and slo_of(tmp_path / "missing.yaml") is None
