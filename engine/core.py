@@ -373,22 +373,24 @@ class EngineCore:
             self._fail_everything(EngineClosed("the engine's zygote process died"))
             self._running = False
             return
-        if isinstance(msg, m.Forked):
-            fd = recv_handle(self.zygote)
-            handle = self.workers.get(msg.worker_id)
-            if handle is None:
-                os.close(fd)
-                os.kill(msg.pid, signal.SIGKILL)
-                return
-            handle.pid = msg.pid
-            handle.conn = Connection(fd)
-            self._selector.register(handle.conn, selectors.EVENT_READ, lambda: self._on_worker_message(handle))
-            try:
-                handle.pidfd = os.pidfd_open(msg.pid)
-            except ProcessLookupError:
-                self._on_worker_exit(handle, "exited before it could be watched")
-                return
-            self._selector.register(handle.pidfd, selectors.EVENT_READ, lambda: self._on_worker_exit(handle, "process exited"))
+        if not isinstance(msg, m.Forked):
+            log.error("the zygote sent an unknown message %s; refused", type(msg).__name__)
+            return
+        fd = recv_handle(self.zygote)
+        handle = self.workers.get(msg.worker_id)
+        if handle is None:
+            os.close(fd)
+            os.kill(msg.pid, signal.SIGKILL)
+            return
+        handle.pid = msg.pid
+        handle.conn = Connection(fd)
+        self._selector.register(handle.conn, selectors.EVENT_READ, lambda: self._on_worker_message(handle))
+        try:
+            handle.pidfd = os.pidfd_open(msg.pid)
+        except ProcessLookupError:
+            self._on_worker_exit(handle, "exited before it could be watched")
+            return
+        self._selector.register(handle.pidfd, selectors.EVENT_READ, lambda: self._on_worker_exit(handle, "process exited"))
 
     def _on_worker_message(self, handle: WorkerHandle) -> None:
         if handle.conn is None:
@@ -415,6 +417,8 @@ class EngineCore:
             log.info("worker %d (pid %d) ready after %.2fs warm-up", handle.worker_id, handle.pid, msg.warmup_seconds)
         elif isinstance(msg, m.WorkFailed):
             self._on_work_failed(handle, msg)
+        else:
+            log.error("worker %d sent an unknown message %s; refused", handle.worker_id, type(msg).__name__)
 
     def _on_worker_exit(self, handle: WorkerHandle, why: str) -> None:
         if handle.worker_id not in self.workers:

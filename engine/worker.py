@@ -81,6 +81,8 @@ class EmbedWorker:
                 apply_knobs(msg)
             elif isinstance(msg, m.Stop):
                 return 0
+            else:
+                unknown(msg)
 
     def run(self, msg: m.RunEmbed):
         started = time.perf_counter()
@@ -137,6 +139,8 @@ class GenerateWorker:
             self.runner.max_running = msg.max_batch_size
         elif isinstance(msg, m.Stop):
             return True
+        else:
+            unknown(msg)
         return False
 
     def step(self) -> None:
@@ -161,3 +165,8 @@ class GenerateWorker:
             self.runner.abort(seq_id)
         self.live.clear()
         return ids
+
+
+def unknown(msg) -> None:
+    """A message outside the protocol is refused out loud, never dropped silently."""
+    log.error("worker: refusing an unknown message %s (not in engine/messages.py's protocol)", type(msg).__name__)

@@ -52,6 +52,8 @@ def main(argv: list[str]) -> int:
             _fork(conn, msg.spec, model)
         elif isinstance(msg, m.Stop):
             return 0
+        else:
+            log.error("zygote: refusing an unknown message %s", type(msg).__name__)
 
 
 def _load(model_path: str, task: str, device: str, dtype: str):

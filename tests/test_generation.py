@@ -401,3 +401,21 @@ def test_sampling_params_reject_what_they_cannot_do():
                 {"frequency_penalty": -3.0}, {"logprobs": 21}, {"logit_bias": ((5, 101.0),)}, {"logit_bias": ((-1, 1.0),)}):
         with pytest.raises(ValueError):
             SamplingParams(max_tokens=16, **bad)
+
+
+def test_the_generation_worker_refuses_an_unknown_message_out_loud_and_keeps_working(gpt2, caplog):
+    import logging
+
+    from engine import messages as m
+    from engine.worker import GenerateWorker
+
+    spec = m.WorkerSpec(worker_id=0, task="generate", device="cpu", threads=1, max_batch_size=4, slots=1, slot_items=4,
+                        max_length=256, hidden_size=64, eos_token_ids=(EOS,), warmup=False)
+    worker = GenerateWorker(spec, conn=None, model=gpt2)
+    with caplog.at_level(logging.ERROR, logger="selftune.worker"):
+        assert worker.handle(("not", "a", "message")) is False
+    assert "refusing an unknown message tuple" in caplog.text
+    worker.handle(m.AddSequence(7, PROMPTS[1], greedy(5)))
+    got = drain(worker.runner)
+    assert tokens(got[7]) == reference(gpt2, PROMPTS[1], 5)
+    assert worker.handle(m.Stop()) is True
