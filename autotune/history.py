@@ -128,3 +128,11 @@ def report_html(data: dict) -> str:
     text = json.dumps(data, separators=(",", ":"), default=str).replace("</", "<\\/")  # no early </script>
     return page().replace('<script id="data" type="application/json">null</script>',
                           f'<script id="data" type="application/json">{text}</script>', 1)
+
+
+def write_report(path: str, info: dict, arrival: np.ndarray, done: np.ndarray, ok: np.ndarray,
+                 knob_changes: list[tuple[float, Knobs]], end: float, decisions: list[dict]) -> None:
+    """A finished run (simulated or benchmarked) as the dashboard page, in one HTML file."""
+    points = offline_points(arrival, done, ok, knob_changes, end)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(report_html({"info": {"mode": "report", **info}, "points": points, "decisions": decisions}))

@@ -188,14 +188,11 @@ def run_simulate(args) -> int:
 
 def write_report(result, args, path: str) -> None:
     """The simulated run as the dashboard page, one HTML file."""
-    from autotune.history import offline_points, report_html
+    from autotune.history import write_report
 
-    ok = ~result.rejected
-    info = {"mode": "report", "title": f"selftune simulate {args.workload}", "model": f"cost model {args.cost_model}", "task": "embed",
+    info = {"title": f"selftune simulate {args.workload}", "model": f"cost model {args.cost_model}", "task": "embed",
             "slo_seconds": args.slo, "autotune": result.decide_calls > 0, "policy": args.policy}
-    points = offline_points(result.arrival, result.done, ok, result.knob_changes, max(result.end_time, 1.0))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(report_html({"info": info, "points": points, "decisions": result.decisions}))
+    write_report(path, info, result.arrival, result.done, ~result.rejected, result.knob_changes, max(result.end_time, 1.0), result.decisions)
 
 
 def _report_simulation(s: dict) -> None:

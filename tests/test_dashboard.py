@@ -17,6 +17,7 @@ from autotune.bench.browser import available, headless_chromium as browser
 from autotune.bench.server import ServerProcess
 from autotune.history import offline_points, report_html
 from engine.config import Knobs
+from helpers import wait_until
 
 TOKEN = "dashboard-test-token"
 MODEL = "all-MiniLM-L6-v2"
@@ -37,12 +38,7 @@ def server(tmp_path_factory):
 
 
 def wait_for(check, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)
+    return wait_until(check, timeout=timeout, interval=0.2)  # a page or an HTTP call per look: 5 looks a second
 
 
 def test_history_is_bounded_and_shows_points_and_admin_changes(server):

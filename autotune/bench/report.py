@@ -101,7 +101,7 @@ def plot_mode_timeline(result: ModeResult, log: RunLog, slo: float, path: str) -
 def write_mode_report(result: ModeResult, log: RunLog, slo: float, model: str, path: str) -> None:
     """One mode's run as the dashboard page (one HTML file). The knob changes come from the
     /stats polls, so they are marked without the policy's words."""
-    from autotune.history import offline_points, report_html
+    from autotune.history import write_report
 
     if not log.requests or not result.timeline:
         return
@@ -110,7 +110,6 @@ def write_mode_report(result: ModeResult, log: RunLog, slo: float, model: str, p
     decisions = [{"at": t, "outcome": "applied", "reason": "the knobs changed (seen in /stats; the server's GET /admin/decisions has the policy's reason)",
                   "old": old.as_dict(), "new": new.as_dict()} for (_, old), (t, new) in zip(changes, changes[1:])]
     end = float(max(np.nanmax(done), arrival.max()))
-    info = {"mode": "report", "title": f"selftune bench: {result.mode}", "model": model, "task": "embed", "slo_seconds": slo,
+    info = {"title": f"selftune bench: {result.mode}", "model": model, "task": "embed", "slo_seconds": slo,
             "autotune": result.mode.startswith("autotuned"), "policy": result.mode}
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(report_html({"info": info, "points": offline_points(arrival, done, ok, changes, end), "decisions": decisions}))
+    write_report(path, info, arrival, done, ok, changes, end, decisions)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 
 from fastapi import APIRouter, Request
@@ -19,7 +18,6 @@ from engine.http.state import ServerState
 from engine.jobs import EngineError
 from engine.sampling import SamplingParams
 
-log = logging.getLogger("selftune.http")
 router = APIRouter(prefix="/v1")
 
 
