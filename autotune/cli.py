@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     add_config_options(show)
     show.set_defaults(run=run_config_show)
     from autotune.bench.cli import register as register_bench
-    from autotune.offline_cli import register
+    from autotune.offline.cli import register
 
     register(commands)
     register_bench(commands)

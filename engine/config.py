@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine import packing
+from engine.placement import MachineTopology, PlacementMode
 
 Task = Literal["embed", "generate"]
 
@@ -104,14 +105,14 @@ class EngineConfig:
     """Embedding batches a worker may hold at once."""
     restart_backoff: tuple[float, float] = (0.1, 5.0)
     """Initial and maximum delay before a dead worker is replaced (doubles on each death)."""
-    placement: str = "auto"
+    placement: PlacementMode = "auto"
     """`auto` (disjoint cores per worker, physical before SMT, NUMA-local), `none` (no
     pinning) or `explicit` (placement_cpus)."""
     placement_cpus: tuple[tuple[int, ...], ...] | None = None
     """With placement=explicit: one CPU list per worker."""
     workers_per_gpu: int = 1
-    topology: object | None = None
-    """An engine.placement.MachineTopology; None: the CPUs of this process's affinity."""
+    topology: MachineTopology | None = None
+    """The CPUs and GPUs to place workers on; None: the CPUs of this process's affinity."""
     crash_loop: tuple[int, float] = (5, 60.0)
     """(deaths, seconds): that many unexpected worker deaths within that window is a crash
     loop: the engine stops replacing workers and reports itself not ready."""

@@ -26,6 +26,7 @@ from engine.config import EngineConfig, Knobs
 from engine.core import EngineCore
 from engine.io_pool import IOPool
 from engine.jobs import EmbedJob, EngineClosed, GenerateJob, InputTooLong, TokenStream
+from engine.lifecycle import EngineState
 from engine.loading import ModelInfo, load_tokenizer, model_info, token_ids
 from engine.model_source import ModelSource, resolve_model
 from engine.sampling import SamplingParams
@@ -50,18 +51,20 @@ class Engine:
         self._pool: IOPool | None = None
         self._ids = itertools.count(1)
         self._apply_lock = threading.Lock()
-        self._closed = False
+        self.state = EngineState.CREATED
         self.latency = LatencyHistograms()
         """Per-stage latency of finished requests; the monitors read windows of it."""
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self, ready_timeout: float = 300.0) -> "Engine":
+        self.state = EngineState.STARTING
         try:
             self._start(ready_timeout)
         except BaseException:
             self.shutdown(grace=0)
             raise
+        self.state = EngineState.SERVING
         return self
 
     def _start(self, ready_timeout: float) -> None:
@@ -95,30 +98,27 @@ class Engine:
 
     def wait_ready(self, timeout: float = 300.0, workers: int = 1) -> None:
         """Block until at least `workers` workers have warmed up and take traffic."""
-        deadline = time.monotonic() + timeout
-        while self.stats().ready_workers < workers:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {workers} ready worker(s) after {timeout:.0f}s")
-            if not self._core_thread.is_alive():
-                raise RuntimeError("the engine core stopped during start-up; see the log")
-            time.sleep(0.02)
+        if self._core.wait_for(lambda core: core.ready_workers >= workers, timeout):
+            return
+        if self._core.state is EngineState.STOPPED:
+            raise RuntimeError("the engine core stopped during start-up; see the log")
+        raise TimeoutError(f"no {workers} ready worker(s) after {timeout:.0f}s")
 
     def shutdown(self, grace: float = 30.0) -> None:
         """Finish what is queued or running (up to `grace` seconds), then stop everything."""
-        if self._closed:
+        if self.state in (EngineState.CLOSING, EngineState.STOPPED):
             return
-        self._closed = True
+        self.state = EngineState.CLOSING
         core_alive = self._core_thread is not None and self._core_thread.is_alive()
         if core_alive:
             self._core.call(self._core.begin_close).result()
-            deadline = time.monotonic() + grace
-            while self._core.call(self._core.pending_requests).result() and time.monotonic() < deadline:
-                time.sleep(0.02)
+            self._core.wait_for(lambda core: core.pending == 0, grace)
             self._core.call(self._core.stop).result()
             self._core_thread.join(timeout=30)
         self._stop_zygote()
         if self._pool is not None:
             self._pool.shutdown()
+        self.state = EngineState.STOPPED
 
     def _stop_zygote(self) -> None:
         if self._zygote_conn is not None:
@@ -267,5 +267,5 @@ class Engine:
         return self._core.call(self._core.cancel, request_id).result()
 
     def _check_open(self) -> None:
-        if self._closed or self._core is None:
+        if self.state is not EngineState.SERVING:
             raise EngineClosed("the engine is not running")

@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections import defaultdict
 import os
 from dataclasses import dataclass
+from typing import Literal
 
-MODES = ("auto", "none", "explicit")
+PlacementMode = Literal["auto", "none", "explicit"]
+MODES: tuple[PlacementMode, ...] = ("auto", "none", "explicit")
 
 
 class PlacementError(ValueError):
@@ -116,7 +118,7 @@ def plan_placement(
     topology: MachineTopology,
     process_count: int,
     threads_per_process: int,
-    mode: str = "auto",
+    mode: PlacementMode = "auto",
     device: str = "cpu",
     workers_per_gpu: int = 1,
     explicit: tuple[tuple[int, ...], ...] | None = None,
@@ -196,7 +198,7 @@ def _check_explicit_cpu(w: int, cpu, allowed: set[int], shown: str, owner: dict[
 
 # --- argument checks and GPUs -----------------------------------------------------------------
 
-def _check_arguments(topology: MachineTopology, n: int, t: int, mode: str, wpg: int) -> None:
+def _check_arguments(topology: MachineTopology, n: int, t: int, mode: PlacementMode, wpg: int) -> None:
     """Reject what no plan can satisfy, before any work, with the value in the message."""
     if mode not in MODES:
         raise PlacementError(f"placement mode {mode!r} is not one of {', '.join(MODES)}")

@@ -24,6 +24,10 @@ class WorkerSlot:
     assigned: dict[int, int] = field(default_factory=dict)
     """Work key (batch or sequence id) -> items it carries."""
     started_seq: int = 0
+    warmed: bool = False
+    """It has said it is ready once (a worker drained while starting stops only after that)."""
+    stopping: bool = False
+    """`take_stoppable` has named it: its caller stops it."""
 
     @property
     def load(self) -> int:
@@ -46,6 +50,7 @@ class Router:
 
     def mark_ready(self, worker_id: int) -> None:
         slot = self._workers[worker_id]
+        slot.warmed = True
         if slot.state is WorkerState.STARTING:
             slot.state = WorkerState.READY
 
@@ -101,3 +106,10 @@ class Router:
 
     def idle_draining(self) -> list[int]:
         return [s.worker_id for s in self._workers.values() if s.state is WorkerState.DRAINING and not s.assigned]
+
+    def take_stoppable(self) -> list[int]:
+        """Draining workers that hold nothing and have warmed up, each named once."""
+        out = [w for w in self.idle_draining() if self._workers[w].warmed and not self._workers[w].stopping]
+        for worker_id in out:
+            self._workers[worker_id].stopping = True
+        return out

@@ -1,7 +1,8 @@
 """Scheduler: batcher + router, the pure decision core that the live engine and the simulator share.
 
-Events go in (`submit`, `batch_done`, worker joined/left), and `schedule(now)` returns the
-dispatches to carry out; `next_wakeup()` says when to call it again if nothing else happens.
+Events go in (`submit`, worker ready, work complete), `reconcile(process_count)` says which
+workers to start, drain and stop, and `schedule(now)` returns the dispatches to carry out;
+`next_wakeup()` says when to call it again if nothing else happens.
 """
 
 from __future__ import annotations
@@ -19,12 +20,25 @@ class Dispatch:
     batch: Batch
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerPlan:
+    """What one `reconcile` asks of whoever runs the workers (the live supervisor or the simulator)."""
+
+    start: tuple[int, ...] = ()
+    """Ids of new workers to start; the router has them as STARTING already."""
+    drained: tuple[int, ...] = ()
+    """Workers that began draining now: they finish what they hold and get nothing new."""
+    stop: tuple[int, ...] = ()
+    """Draining workers that are idle and warm: stop them (each is named once)."""
+
+
 class Scheduler:
     def __init__(self, task: Task, knobs: Knobs, max_inflight_batches: int = INFLIGHT_BATCHES):
         self.task = task
         self.max_inflight_batches = max_inflight_batches
         self.batcher = Batcher(1, 0.0)
         self.router = Router(1)
+        self._next_worker_id = 0
         self.configure(knobs)
 
     def configure(self, knobs: Knobs) -> None:
@@ -40,6 +54,25 @@ class Scheduler:
         else:
             self.batcher.configure(1, 0.0)
             self.router.capacity = knobs.max_batch_size
+
+    def reconcile(self, process_count: int, may_start: bool = True) -> WorkerPlan:
+        """Bring the active workers (starting or ready) to process_count: start, or drain the
+        extra; and name the drained workers that can stop. `may_start` False holds starts back
+        (the live engine's restart backoff)."""
+        router = self.router
+        missing = process_count - len(router.active())
+        start: tuple[int, ...] = ()
+        drained: tuple[int, ...] = ()
+        if missing > 0 and may_start:
+            start = tuple(range(self._next_worker_id, self._next_worker_id + missing))
+            self._next_worker_id += missing
+            for worker_id in start:
+                router.add(worker_id)
+        elif missing < 0:
+            drained = tuple(router.choose_to_retire(-missing))
+            for worker_id in drained:
+                router.drain(worker_id)
+        return WorkerPlan(start, drained, tuple(router.take_stoppable()))
 
     def submit(self, item: Item) -> None:
         self.batcher.add(item)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.batcher import Batch
 from engine.config import Knobs
 
 
@@ -42,6 +43,22 @@ class Counters:
 
     def copy(self) -> "Counters":
         return dataclasses.replace(self)
+
+    def count_dispatch(self, batch: Batch, pack_row_tokens: int) -> None:
+        """An embedding batch went to a worker (the live engine and the simulator count alike)."""
+        rows, row_length = batch.shape(pack_row_tokens)
+        self.batches += 1
+        self.items += len(batch.items)
+        self.padded_tokens += rows * row_length
+        self.real_tokens += sum(item.length for item in batch.items)
+
+    def count_batch_done(self, size: int, model_seconds: float) -> None:
+        """A worker finished an embedding batch of `size` items in `model_seconds`."""
+        self.batches_done += 1
+        self.model_seconds += model_seconds
+        self.items_done += size
+        self.items_done_squared += size * size
+        self.item_model_seconds += size * model_seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -53,6 +53,35 @@ def batch_figures(change: dict) -> dict:
     }
 
 
+class LoadWindow:
+    """Load over the last window from cumulative counter totals (the live sampler and the
+    simulator's build it here, so rates, batch figures and queue fields mean the same)."""
+
+    def __init__(self, window_seconds: float):
+        self._totals = SnapshotWindow(window_seconds)
+
+    def load(self, now: float, totals: Mapping[str, float], queue_depth: int, queue_wait: float, pending_requests: int, latency: dict[str, Latency]) -> Load:
+        """`totals` has every name in COUNTERS (cumulative since the start)."""
+        self._totals.push(now, np.array([totals[n] for n in COUNTERS], dtype=np.float64))
+        common = dict(queue_depth=queue_depth, queue_wait=queue_wait, pending_requests=pending_requests, latency=latency)
+        delta = self._totals.delta()
+        if delta is None:
+            return Load(**common)
+        elapsed, d = delta
+        rate = dict(zip(COUNTERS, d / elapsed))
+        return Load(
+            arrival_rate=rate["requests"],
+            completion_rate=rate["completed"],
+            rejected_rate=rate["rejected"],
+            timed_out_rate=rate["timed_out"],
+            failed_rate=rate["failed"],
+            items_rate=rate["items"],
+            tokens_per_second=rate["generated_tokens"],
+            **batch_figures(dict(zip(COUNTERS, d))),
+            **common,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class EngineReading:
     """One cumulative reading of the engine (and the HTTP layer in front of it).
@@ -86,7 +115,7 @@ class Sampler:
         self.procs = procs if procs is not None else ProcessSampler()
         self.gpu = gpu if gpu is not None else GpuMonitor()
         self.sys_root = sys_root
-        self._counters = SnapshotWindow(window_seconds)
+        self._load_window = LoadWindow(window_seconds)
         self._latency: dict[str, SnapshotWindow] = {}
         self._busy: dict[int, SnapshotWindow] = {}
 
@@ -107,38 +136,14 @@ class Sampler:
 
     def _load(self, now: float, reading: EngineReading) -> Load:
         stats = reading.stats
-        counters = stats.counters
         extra = {"rejected": reading.rejected, "timed_out": reading.timed_out}
-        values = np.array([extra[n] if n in extra else getattr(counters, n) for n in COUNTERS], dtype=np.float64)
-        self._counters.push(now, values)
+        totals = {n: extra[n] if n in extra else getattr(stats.counters, n) for n in COUNTERS}
         latency = {
             stage: self._latency_window(now, stage, counts, total, reading.upper_bounds)
             for stage, (counts, total) in reading.latency.items()
         }
         latency = {stage: summary for stage, summary in latency.items() if summary.count}
-        delta = self._counters.delta()
-        common = dict(
-            queue_depth=stats.queue_depth,
-            queue_wait=stats.oldest_wait_seconds,
-            pending_requests=stats.pending_requests,
-            latency=latency,
-        )
-        if delta is None:
-            return Load(**common)
-        elapsed, d = delta
-        rate = dict(zip(COUNTERS, d / elapsed))
-        change = dict(zip(COUNTERS, d))
-        return Load(
-            arrival_rate=rate["requests"],
-            completion_rate=rate["completed"],
-            rejected_rate=rate["rejected"],
-            timed_out_rate=rate["timed_out"],
-            failed_rate=rate["failed"],
-            items_rate=rate["items"],
-            tokens_per_second=rate["generated_tokens"],
-            **batch_figures(change),
-            **common,
-        )
+        return self._load_window.load(now, totals, stats.queue_depth, stats.oldest_wait_seconds, stats.pending_requests, latency)
 
     def _latency_window(self, now: float, stage: str, counts: np.ndarray, total: float, bounds: np.ndarray) -> Latency:
         window = self._latency.setdefault(stage, SnapshotWindow(self.window_seconds))

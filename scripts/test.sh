@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite (about 5 minutes on 2 cores). Long chaos/overload runs are opt-in: -m slow.
-# Benchmarks and the soak are scripts under bench/.
+# Benchmarks and the soak are scripts under benchmarks/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec python -m pytest "$@"

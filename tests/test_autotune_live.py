@@ -9,7 +9,7 @@ import pytest
 import yaml
 from autotune.bench.server import ServerProcess
 
-from autotune.loadgen import open_loop
+from autotune.bench.loadgen import open_loop
 
 MODEL = "all-MiniLM-L6-v2"
 TOKEN = "autotune-test-token"

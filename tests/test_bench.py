@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from autotune import loadgen
+from autotune.bench import loadgen
 from autotune.bench.capacity import LadderConfig, RateLadder, judge, poisson_arrivals
 from autotune.bench.cli import verdicts
 from autotune.bench.echo import generator_check
@@ -17,7 +17,7 @@ from autotune.bench.limit import limit_at_batch, measure_limit
 from autotune.bench.modes import SEED_DEFAULTS, mode, oracle_candidates
 from autotune.bench.runner import CapacityPlan, ModeResult, RunLog, capacity
 from autotune.bench.server import ServerProcess
-from autotune.loadgen import Result
+from autotune.bench.loadgen import Result
 
 
 def climb(capacity_rps: float, config: LadderConfig) -> tuple[float, list[float]]:

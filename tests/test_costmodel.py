@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autotune.costmodel import COEFFICIENTS, DeterministicCostModel, FittedCostModel, Point, fit_cost_model, load_cost_model, predict
+from autotune.offline.costmodel import COEFFICIENTS, DeterministicCostModel, FittedCostModel, Point, fit_cost_model, load_cost_model, predict
 
 KNOWN = FittedCostModel(a=0.006, b=2.3e-4, c=2e-7, f=0.85, s=0.4, k=0.3, o=0.35)
 

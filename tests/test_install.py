@@ -1,5 +1,5 @@
 """What a user's install gets: the shipped configs as package data, how names find files, the
-version, `selftune config show`, and every script under bench/ still runs."""
+version, `selftune config show`, and every script under benchmarks/ still runs."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def selftune(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_every_package_folder_is_listed_for_the_wheel():
-    skip = {".venv", "tests", "build", ".git", "bench", "scripts", "docs"}
+    skip = {".venv", "tests", "build", ".git", "benchmarks", "scripts", "docs"}
     on_disk = set()
     for init in ROOT.rglob("__init__.py"):
         rel = init.parent.relative_to(ROOT)
@@ -131,12 +131,12 @@ def test_simulate_finds_the_shipped_policy_and_cost_model_from_another_directory
     assert bad.returncode == 2 and "builtin:epyc-2core-minilm" in bad.stderr
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py")))
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
 def test_every_bench_script_imports_and_answers_help(script):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert script in out.stdout or "python bench/" in out.stdout
+    assert script in out.stdout or "python benchmarks/" in out.stdout
 
 
 def test_the_wheel_carries_the_configs(tmp_path):
@@ -149,4 +149,4 @@ def test_the_wheel_carries_the_configs(tmp_path):
         if path.is_file() and path.suffix in (".yaml", ".json"):
             assert f"autotune/configs/{path.relative_to(ROOT / 'configs')}" in names
     assert "autotune/shipped.py" in names and "engine/http/app.py" in names and "autotune/dashboard.html" in names
-    assert not any(n.startswith(("tests/", "bench/", "configs/")) for n in names)
+    assert not any(n.startswith(("tests/", "benchmarks/", "configs/")) for n in names)

@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from autotune.costmodel import DeterministicCostModel, FittedCostModel
-from autotune.simulator import SimConfig, Simulation, simulate
-from autotune.tuner import Problem, oracle, tune_policy, write_policy
-from autotune.workloads import poisson, step, trace
+from autotune.offline.costmodel import DeterministicCostModel, FittedCostModel
+from autotune.offline.simulator import SimConfig, Simulation, simulate
+from autotune.offline.tuner import Problem, oracle, tune_policy, write_policy
+from autotune.bench.workloads import poisson, step, trace
 from engine.batcher import Batcher, Item
 from engine.config import Knobs
 from policies.loader import load_policy, policy_from_spec

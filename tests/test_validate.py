@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from autotune.validate import compare, relative_error
+from autotune.offline.validate import compare, relative_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from autotune.loadgen import Result
+from autotune.bench.loadgen import Result
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,14 +34,14 @@ from autotune.bench.runner import (
     replay,
     run_mode,
 )
-from autotune.offline_cli import jsonable
+from autotune.output import jsonable
 
 
 def register(subparsers) -> None:
     b = subparsers.add_parser("bench", help="compare concurrency modes (and autotuning) on the same load, measured")
     b.add_argument("--modes", default=",".join(STANDARD_MODES), help=f"comma-separated: {', '.join(STANDARD_MODES)}, static:KNOBS, autotuned:KNOBS")
     b.add_argument("--url", help="measure this running server (capacity, or --workload) instead of starting modes")
-    b.add_argument("--workload", help="replay this workload spec (autotune/workloads.py) against every mode instead of the rate ladder")
+    b.add_argument("--workload", help="replay this workload spec (autotune/bench/workloads.py) against every mode instead of the rate ladder")
     b.add_argument("--grid", help="static knob grid, e.g. 'process_count=1,2;threads_per_process=1,2;max_batch_size=4,16,64': "
                    "the oracle's sweep (capacity) or, with --workload, one replay per combination (the oracle is the best)")
     b.add_argument("--model", default="builtin:minilm")
@@ -64,17 +64,9 @@ def run_bench(args) -> int:
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
+    cores = len(os.sched_getaffinity(0))
     try:
-        names = split_modes(args.modes)
-        cores = len(os.sched_getaffinity(0))
-        modes = {n: mode(n, cores) for n in names if n != "oracle"}
-        grid = parse_grid(args.grid, cores) if args.grid else None
-        words = parse_words(args.words)
-        workload = None
-        if args.workload:
-            from autotune.workloads import from_spec
-
-            workload = from_spec(args.workload)
+        names, modes, grid, words, workload = _parse(args, cores)
     except ValueError as exc:
         print(f"selftune bench: {exc}", file=sys.stderr)
         return 2
@@ -88,68 +80,18 @@ def run_bench(args) -> int:
     say(f"machine: {machine['cpu']}, {cores} usable cores, {machine['ram_gib']} GiB")
     texts = sentences(512, *words, seed=args.seed)
     limit = None if args.no_limit or args.url or workload is not None else measure_limit_row(args, texts, cores, say)
-    start = args.start_rate or (0.35 * limit["sentences_per_second"] if limit else 20.0)
-    plan = CapacityPlan(
-        ladder=LadderConfig(start=start, factor=1.4 if args.quick else 1.25, refine=1 if args.quick else 2),
-        step_seconds=6.0 if args.quick else 12.0,
-        min_judged=100 if args.quick else 200,
-        settle=1 / 3,
-        warmup_seconds=4.0 if args.quick else 8.0,
-        slo=args.slo,
-        seed=args.seed,
-    )
+    plan = _capacity_plan(args, limit)
     csv_file, writer = new_request_log(os.path.join(out, "requests.csv"))
-    results: list[ModeResult] = []
     logs: dict[str, RunLog] = {}
     oracle_rows: list[dict] = []
     try:
         if args.url:
-            log = RunLog(args.url.rstrip("/"))
-            result = ModeResult("external", args.url, {}, {})
-            if workload is not None:
-                result.workload = replay(log, workload, args.slo, "external", say, writer)
-            else:
-                result.max_qps, steps = capacity(log.url, None, log, plan, texts, "external", say, writer)
-                result.steps = [s.as_dict() for s in steps]
-                result.at_max = next((s.as_dict() for s in steps if s.passed and s.offered == result.max_qps), None)
-            result.timeline = log.rows
-            result.final_knobs = result.timeline[-1] if result.timeline else {}
-            logs["external"] = log
-            log.close()
-            results.append(result)
+            results = [_run_external(args, plan, texts, workload, writer, logs, say)]
         else:
-            with tempfile.TemporaryDirectory() as workdir:
-                if workload is not None and grid:
-                    names = [n for n in names if n != "oracle"] + [f"static:{_knob_text(k)}" for k in grid]
-                    modes.update({n: mode(n, cores) for n in names if n not in modes})
-                for name in names:
-                    if name == "oracle":
-                        fixed = [r.max_qps for r in results if r.max_qps]
-                        probe = 1.1 * max(fixed) if fixed else 0.65 * (limit["sentences_per_second"] if limit else 150.0)
-                        best, oracle_rows = oracle_sweep(grid or oracle_candidates(cores, args.quick), args.model, probe, 5.0 if args.quick else 8.0, args.slo, texts, args.seed, say)
-                        m = Mode("oracle", best, description="best of the static sweep: " + describe(best))
-                    else:
-                        m = modes[name]
-                    result, log = run_mode(
-                        m, args.model, workdir, say, args.slo, plan=None if workload is not None else plan, texts=texts,
-                        workload=workload, writer=writer, policy=args.policy,
-                    )
-                    results.append(result)
-                    logs[name] = log
+            results, oracle_rows = _run_modes(args, names, modes, grid, cores, limit, plan, texts, workload, writer, logs, say)
     finally:
         csv_file.close()
-
-    generator = None
-    if not args.no_generator_check and workload is None:
-        from autotune.bench.echo import generator_check
-        from autotune.bench.runner import embed_body
-
-        best_qps = max((r.max_qps for r in results), default=0.0)
-        rate = max(3 * best_qps, 50.0)
-        say(f"generator check: {rate:.0f} req/s (3 × the best mode) against an endpoint that answers at once")
-        generator = generator_check(rate, 5.0, embed_body(texts, args.seed)(0))
-        say(f"generator: {generator['achieved']:.0f} of {rate:.0f} req/s, send lag p99 {generator['lag_p99_ms']:.1f} ms, "
-            f"{generator['generator_cpu_cores']:.2f} cores")
+    generator = None if args.no_generator_check or workload is not None else _generator_check(results, texts, args.seed, say)
 
     table = report.workload_table(results) if workload is not None else report.capacity_table(results, limit, args.slo)
     summary = {
@@ -176,6 +118,89 @@ def run_bench(args) -> int:
     if args.json:
         print(json.dumps(summary, default=jsonable))
     return 0
+
+
+def _parse(args, cores: int):
+    """(mode names, their Modes, the oracle's grid, sentence words, workload); ValueError names what is wrong."""
+    names = split_modes(args.modes)
+    modes = {n: mode(n, cores) for n in names if n != "oracle"}
+    grid = parse_grid(args.grid, cores) if args.grid else None
+    words = parse_words(args.words)
+    workload = None
+    if args.workload:
+        from autotune.bench.workloads import from_spec
+
+        workload = from_spec(args.workload)
+    return names, modes, grid, words, workload
+
+
+def _capacity_plan(args, limit: dict | None) -> CapacityPlan:
+    start = args.start_rate or (0.35 * limit["sentences_per_second"] if limit else 20.0)
+    return CapacityPlan(
+        ladder=LadderConfig(start=start, factor=1.4 if args.quick else 1.25, refine=1 if args.quick else 2),
+        step_seconds=6.0 if args.quick else 12.0,
+        min_judged=100 if args.quick else 200,
+        settle=1 / 3,
+        warmup_seconds=4.0 if args.quick else 8.0,
+        slo=args.slo,
+        seed=args.seed,
+    )
+
+
+def _run_external(args, plan: CapacityPlan, texts: list[str], workload, writer, logs: dict, say) -> ModeResult:
+    """The capacity (or the workload's run) of a server already running at --url."""
+    log = RunLog(args.url.rstrip("/"))
+    result = ModeResult("external", args.url, {}, {})
+    if workload is not None:
+        result.workload = replay(log, workload, args.slo, "external", say, writer)
+    else:
+        result.max_qps, steps = capacity(log.url, None, log, plan, texts, "external", say, writer)
+        result.steps = [s.as_dict() for s in steps]
+        result.at_max = next((s.as_dict() for s in steps if s.passed and s.offered == result.max_qps), None)
+    result.timeline = log.rows
+    result.final_knobs = result.timeline[-1] if result.timeline else {}
+    logs["external"] = log
+    log.close()
+    return result
+
+
+def _run_modes(args, names, modes, grid, cores, limit, plan, texts, workload, writer, logs: dict, say) -> tuple[list[ModeResult], list[dict]]:
+    """Each mode on its own server, one after another; the oracle sweeps the static grid first."""
+    results: list[ModeResult] = []
+    oracle_rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as workdir:
+        if workload is not None and grid:
+            names = [n for n in names if n != "oracle"] + [f"static:{_knob_text(k)}" for k in grid]
+            modes.update({n: mode(n, cores) for n in names if n not in modes})
+        for name in names:
+            if name == "oracle":
+                fixed = [r.max_qps for r in results if r.max_qps]
+                probe = 1.1 * max(fixed) if fixed else 0.65 * (limit["sentences_per_second"] if limit else 150.0)
+                best, oracle_rows = oracle_sweep(grid or oracle_candidates(cores, args.quick), args.model, probe, 5.0 if args.quick else 8.0, args.slo, texts, args.seed, say)
+                m = Mode("oracle", best, description="best of the static sweep: " + describe(best))
+            else:
+                m = modes[name]
+            result, log = run_mode(
+                m, args.model, workdir, say, args.slo, plan=None if workload is not None else plan, texts=texts,
+                workload=workload, writer=writer, policy=args.policy,
+            )
+            results.append(result)
+            logs[name] = log
+    return results, oracle_rows
+
+
+def _generator_check(results: list[ModeResult], texts: list[str], seed: int, say) -> dict:
+    """Can the load generator itself send 3 × the best mode's rate? (Else the numbers are its.)"""
+    from autotune.bench.echo import generator_check
+    from autotune.bench.runner import embed_body
+
+    best_qps = max((r.max_qps for r in results), default=0.0)
+    rate = max(3 * best_qps, 50.0)
+    say(f"generator check: {rate:.0f} req/s (3 × the best mode) against an endpoint that answers at once")
+    generator = generator_check(rate, 5.0, embed_body(texts, seed)(0))
+    say(f"generator: {generator['achieved']:.0f} of {rate:.0f} req/s, send lag p99 {generator['lag_p99_ms']:.1f} ms, "
+        f"{generator['generator_cpu_cores']:.2f} cores")
+    return generator
 
 
 def parse_words(text: str) -> tuple[int, int]:

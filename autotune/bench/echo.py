@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import psutil
 
-from autotune import loadgen
+from autotune.bench import loadgen
 from autotune.bench.server import free_port
 
 BODY = b'{"object":"list","data":[]}'

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def _child_setup(threads: int):
+def child_setup(threads: int):
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
     os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
@@ -25,7 +25,7 @@ def _child_setup(threads: int):
     return torch
 
 
-def _load_runner(path: str):
+def load_runner(path: str):
     import numpy as np
     import torch
 
@@ -52,8 +52,8 @@ def _load_runner(path: str):
 def _limit_child(path, threads, texts, batch_sizes, duration, barrier, results, rank):
     """One process of a layout: per batch size, warm up, meet the others, run `duration` s."""
     try:
-        _child_setup(threads)
-        embed, _, _ = _load_runner(path)
+        child_setup(threads)
+        embed, _, _ = load_runner(path)
         embed(texts[:2])
         out = {}
         cursor = 0

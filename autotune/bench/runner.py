@@ -2,7 +2,7 @@
 
 Two kinds of load:
 - capacity (the default): a rate ladder per mode finds its max QPS within the SLO;
-- a workload spec (`autotune/workloads.py`: poisson, step, onoff, mmpp, diurnal, trace):
+- a workload spec (`autotune/bench/workloads.py`: poisson, step, onoff, mmpp, diurnal, trace):
   the same arrivals and input lengths replayed against every mode, reporting throughput,
   goodput within the SLO and latency percentiles. The simulator takes the same specs.
 """
@@ -22,11 +22,11 @@ from typing import Callable
 import httpx
 import numpy as np
 
-from autotune import loadgen
+from autotune.bench import loadgen
 from autotune.bench.capacity import LadderConfig, RateLadder, StepResult, measure_step
 from autotune.bench.modes import Mode, describe
 from autotune.bench.server import ServerProcess
-from autotune.loadgen import Result
+from autotune.bench.loadgen import Result
 from engine.config import Knobs
 
 ADMIN_TOKEN = "selftune-bench-admin"

@@ -1,6 +1,6 @@
 """The soak's positive control: `selftune serve` plus a thread that leaks MB_PER_MIN.
 
-    python bench/soak_leaky_server.py MB_PER_MIN serve --config FILE
+    python benchmarks/soak_leaky_server.py MB_PER_MIN serve --config FILE
 """
 
 import sys

@@ -13,8 +13,8 @@ moves when unrelated processes start or stop.)
 `--plant-leak MB_PER_MIN` runs the same server with a thread that keeps allocating (the
 positive control: it must fail).
 
-    python bench/soak.py --minutes 30 --out bench/out/soak
-    python bench/soak.py --minutes 8 --plant-leak 20 --out bench/out/soak-leak
+    python benchmarks/soak.py --minutes 30 --out benchmarks/out/soak
+    python benchmarks/soak.py --minutes 8 --plant-leak 20 --out benchmarks/out/soak-leak
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import psutil
 import yaml
 
 from autotune.bench.server import free_port
-from autotune.loadgen import open_loop
+from autotune.bench.loadgen import open_loop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKEN = "soak-admin-token"

@@ -6,13 +6,16 @@ knobs through the live controller's `DecisionLoop` (interval, cooldown, guardrai
 workers are simulated: a batch takes what the cost model says, given how many workers are busy
 when it starts. Nothing here reads a clock; `now` is the time of the event being handled.
 
-The loop mirrors `engine.core.EngineCore._turn`: handle one event (an arrival, a batch done,
-a worker ready, a batcher wake-up, a sampler tick), then reconcile the worker count with
-process_count (start new ones, drain the extra), then dispatch what the scheduler says.
+The loop is `engine.core.EngineCore`'s turn: handle one event (an arrival, a batch done, a
+worker ready, a batcher wake-up, a sampler tick), then carry out `Scheduler.reconcile` (start,
+drain, stop workers), then dispatch what the scheduler says. Counters are the engine's
+`Counters`, counted by the same methods, and the Observation's Load comes from the live
+sampler's `LoadWindow`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -22,20 +25,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autotune.controller import ControllerConfig, DecisionLoop
-from autotune.costmodel import SPREADS, CostModel, check_percentiles
+from autotune.offline.costmodel import SPREADS, CostModel, check_percentiles
 from autotune.guardrails import MachineLimits
 from engine import packing
 from engine.batcher import Batch, Item
 from engine.config import INFLIGHT_BATCHES, Bounds, Knobs
 from engine.scheduler import Scheduler
-from monitors.observation import Latency, Load, Observation, WorkerObservation
-from monitors.sampler import BATCH_TIME_COUNTERS, batch_figures
+from engine.stats import Counters
+from monitors.observation import Latency, Observation, WorkerObservation
+from monitors.sampler import LoadWindow
 from monitors.window import SnapshotWindow
 
 READY, DONE, WAKE, SAMPLE = range(4)
 QUANTILE_LEVELS = np.linspace(0.0, 1.0, 101)
 """Where the *_percentiles fields of SimConfig sit: percentiles 0, 1, ..., 100."""
-COUNTERS = ("requests", "completed", "rejected", "batches", "items", "real_tokens", "padded_tokens", *BATCH_TIME_COUNTERS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +95,6 @@ class SimWorker:
     queue: deque = field(default_factory=deque)
     """Batches assigned but not started (the router's capacity bounds it)."""
     running: Batch | None = None
-    ready: bool = False
     busy_seconds: float = 0.0
     """Accumulated at each batch's end, as the live engine does (so busy_fraction reads alike)."""
 
@@ -103,7 +105,7 @@ class SimSampler:
     def __init__(self, sim: "Simulation"):
         self.sim = sim
         self.window_seconds = sim.config.window_seconds
-        self._counters = SnapshotWindow(self.window_seconds)
+        self._load = LoadWindow(self.window_seconds)
         self._busy: dict[int, SnapshotWindow] = {}
         self._recent: deque = deque()
         """(done time, total, queue, model) of completions, oldest first, pruned to the window."""
@@ -113,30 +115,12 @@ class SimSampler:
 
     def sample(self, now: float) -> Observation:
         sim = self.sim
-        self._counters.push(now, np.array([sim.counters[n] for n in COUNTERS], float))
         while self._recent and self._recent[0][0] <= now - self.window_seconds:
             self._recent.popleft()
         oldest = sim.scheduler.batcher.oldest_arrival()
-        common = dict(
-            queue_depth=sim.scheduler.queue_depth(),
-            queue_wait=0.0 if oldest is None else now - oldest,
-            pending_requests=sim.pending,
-            latency=self._latency(),
-        )
-        delta = self._counters.delta()
-        if delta is None:
-            load = Load(**common)
-        else:
-            elapsed, d = delta
-            change = dict(zip(COUNTERS, d))
-            load = Load(
-                arrival_rate=change["requests"] / elapsed,
-                completion_rate=change["completed"] / elapsed,
-                rejected_rate=change["rejected"] / elapsed,
-                items_rate=change["items"] / elapsed,
-                **batch_figures(change),
-                **common,
-            )
+        totals = {**dataclasses.asdict(sim.counters), "rejected": sim.rejected_count, "timed_out": 0}
+        queue_wait = 0.0 if oldest is None else now - oldest
+        load = self._load.load(now, totals, sim.scheduler.queue_depth(), queue_wait, sim.pending, self._latency())
         return Observation(time=now, window_seconds=self.window_seconds, load=load, workers=self._workers(now))
 
     def _latency(self) -> dict[str, Latency]:
@@ -229,14 +213,14 @@ class Simulation:
         self.knobs = config.knobs
         self.scheduler = Scheduler("embed", config.knobs, config.max_inflight_batches)
         self.workers: dict[int, SimWorker] = {}
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters = Counters()
+        self.rejected_count = 0
         self.pending = 0
         self.controller = DecisionLoop(policy, config.bounds, _controller_config(config)) if policy is not None else None
         self.decisions: list[dict] = []
         self.sampler = SimSampler(self) if policy is not None else None
         self._events: list = []
         self._seq = itertools.count()
-        self._worker_ids = itertools.count()
         self._wakes: set[float] = set()
         self._busy = 0
         n = len(arrivals)
@@ -285,7 +269,7 @@ class Simulation:
         return SimResult(
             self.config, self.arrival, self.lengths, self.dispatched, self.done, self.rejected, self.knob_changes,
             self.decisions, self.controller.calls if self.controller else 0,
-            self.counters["batches"], self.counters["items"], self.core_seconds, now,
+            self.counters.batches, self.counters.items, self.core_seconds, now,
         )
 
     def _push(self, t: float, kind: int, data) -> None:
@@ -300,9 +284,7 @@ class Simulation:
         if kind == DONE:
             self._on_done(data[0], data[1], data[2], now)
         elif kind == READY:
-            worker = self.workers.get(data)
-            if worker is not None:
-                worker.ready = True
+            if data in self.workers:
                 self.scheduler.router.mark_ready(data)
         elif kind == WAKE:
             self._wakes.discard(now)
@@ -312,10 +294,10 @@ class Simulation:
     def _on_arrival(self, i: int, now: float) -> None:
         if self.pending >= self.config.max_queued_requests:
             self.rejected[i] = True
-            self.counters["rejected"] += 1
+            self.rejected_count += 1
             return
         self.pending += 1
-        self.counters["requests"] += 1
+        self.counters.requests += 1
         self.scheduler.submit(Item(i, 0, int(self.lengths[i]), now))
 
     def _dispatch(self, now: float) -> None:
@@ -323,11 +305,7 @@ class Simulation:
             batch = dispatch.batch
             for item in batch.items:
                 self.dispatched[item.request_id] = now
-            self.counters["batches"] += 1
-            self.counters["items"] += len(batch.items)
-            rows, row_length = batch.shape(self.config.pack_row_tokens)
-            self.counters["padded_tokens"] += rows * row_length
-            self.counters["real_tokens"] += sum(item.length for item in batch.items)
+            self.counters.count_dispatch(batch, self.config.pack_row_tokens)
             worker = self.workers[dispatch.worker_id]
             worker.queue.append(batch)
             if worker.running is None:
@@ -352,19 +330,14 @@ class Simulation:
         worker = self.workers[worker_id]
         worker.running = None
         worker.busy_seconds += seconds
-        size = len(batch.items)
-        self.counters["batches_done"] += 1
-        self.counters["model_seconds"] += seconds
-        self.counters["items_done"] += size
-        self.counters["items_done_squared"] += size * size
-        self.counters["item_model_seconds"] += size * seconds
+        self.counters.count_batch_done(len(batch.items), seconds)
         self._busy -= 1
         self.scheduler.router.complete(worker_id, batch.batch_id)
         for item in batch.items:
             r = item.request_id
             self.done[r] = answered = now + self.overhead[r]
             self.pending -= 1
-            self.counters["completed"] += 1
+            self.counters.completed += 1
             if self.sampler is not None:
                 self.sampler.completed(now, answered - item.arrival, self.dispatched[r] - item.arrival, seconds)
         if worker.queue:
@@ -373,22 +346,15 @@ class Simulation:
     # ---- workers -----------------------------------------------------------------------------
 
     def _reconcile(self, now: float) -> None:
-        """EngineCore._reconcile: start workers up to process_count, drain and retire the extra."""
-        router = self.scheduler.router
-        missing = self.knobs.process_count - len(router.active())
-        if missing > 0:
-            for _ in range(missing):
-                worker_id = next(self._worker_ids)
-                router.add(worker_id)
-                self.workers[worker_id] = SimWorker(worker_id)
-                self._push(now + self.config.startup_seconds, READY, worker_id)
-        elif missing < 0:
-            for worker_id in router.choose_to_retire(-missing):
-                router.drain(worker_id)
-        for worker_id in router.idle_draining():
-            if self.workers[worker_id].ready:  # a draining worker still warming up stops once ready
-                router.remove(worker_id)
-                del self.workers[worker_id]
+        """Carry out the scheduler's plan as EngineCore's supervisor does: start, stop (drains
+        need nothing here; a draining worker still warming up stops once ready)."""
+        plan = self.scheduler.reconcile(self.knobs.process_count)
+        for worker_id in plan.start:
+            self.workers[worker_id] = SimWorker(worker_id)
+            self._push(now + self.config.startup_seconds, READY, worker_id)
+        for worker_id in plan.stop:
+            self.scheduler.router.remove(worker_id)
+            del self.workers[worker_id]
 
     # ---- observation and control ---------------------------------------------------------------
 

@@ -6,7 +6,7 @@ speed drifts), each `--seconds` long. In each window it reads the CPU time of th
 front process and of every chromium process. Reports every window and the means, as % of one
 core: the page costs the server (dashboard - no browser) and the browser (dashboard - blank).
 
-    python bench/dashboard_cpu.py [--rounds 3] [--seconds 30] [--json]
+    python benchmarks/dashboard_cpu.py [--rounds 3] [--seconds 30] [--json]
 """
 
 from __future__ import annotations

@@ -3,26 +3,27 @@
 Runs alternate (auto, none, auto, none, ...) so slow drift of this VM's speed hits both
 modes alike; reports each run and the mean per mode.
 
-    python bench/placement_bench.py [--rounds 3] [--seconds 10] [--json]
+    python benchmarks/placement_bench.py [--rounds 3] [--seconds 10] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from engine_bench import TARGET_TOKENS, LoadMonitor, log, saturate  # noqa: E402
-
 from autotune.bench.inputs import texts_of_tokens  # noqa: E402
+from autotune.bench.machine import LoadMonitor  # noqa: E402
+from autotune.bench.saturate import TARGET_TOKENS, saturate  # noqa: E402
 from engine.config import EngineConfig, Knobs  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loading import load_tokenizer  # noqa: E402
 from engine.model_source import resolve_model  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
                 with Engine(EngineConfig(knobs=knobs, placement=mode)) as eng:
                     eng.wait_ready(workers=2)
                     cpus = [w.cpus for w in eng.stats().workers]
-                    result = saturate(eng, texts, outstanding=512, warmup=3.0, duration=args.seconds, label=mode, mon=mon)
+                    result = saturate(eng, texts, outstanding=512, warmup=3.0, duration=args.seconds, label=mode, mon=mon, log=log)
                 runs[mode].append(result["throughput"])
                 log(f"  placement {mode}: {result['throughput']:.1f} req/s (worker cpus {cpus})")
     finally:

@@ -60,39 +60,9 @@ def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tupl
     request_overhead_percentiles, model_time_percentiles: the whole distributions, which the
     simulator draws from; a deterministic batch time left its p99 25–30 % short of the live one.
     """
-    import time
-
     import numpy as np
-    import psutil
 
-    from autotune import loadgen
-    from autotune.bench.runner import RunLog, embed_body, start_server, token_bodies, wait_idle, warm_up
-
-    mode = Mode("calibrate", knobs, description=describe(knobs))
-    light_bodies, busy_bodies = token_bodies(light), token_bodies(busy, len(light))
-    with tempfile.TemporaryDirectory() as workdir:
-        server = start_server(mode, model, workdir)
-        try:
-            log = RunLog(server.url)
-            warm_up(log, 10.0, 2.0, embed_body(["a few words to warm the workers up"], 0))
-            log.close()
-            wait_idle(server.url)
-            front, client = psutil.Process(server.proc.pid), psutil.Process()
-
-            def cpu_seconds() -> float:
-                return sum(front.cpu_times()[:2]) + sum(client.cpu_times()[:2])
-
-            cpu0, idle_from = cpu_seconds(), time.monotonic()
-            time.sleep(IDLE_SECONDS)  # what the front's own threads (sampler, metrics) cost without requests
-            idle_cores = (cpu_seconds() - cpu0) / (time.monotonic() - idle_from)
-            cpu0, started = cpu_seconds(), time.monotonic()
-            light_results = loadgen.run(server.url, [t for t, _ in light], lambda i: light_bodies[i])
-            wall = time.monotonic() - started
-            cpu = max(0.0, cpu_seconds() - cpu0 - idle_cores * wall)
-            wait_idle(server.url)
-            busy_results = loadgen.run(server.url, [t for t, _ in busy], lambda i: busy_bodies[i])
-        finally:
-            server.stop()
+    light_results, busy_results, cpu, idle_cores = _serve_calibration_loads(model, knobs, light, busy)
 
     def answered(results):
         return [r for r in results if r.status == 200 and "queue" in r.stages and "model" in r.stages and len(r.batch) == 3]
@@ -125,6 +95,45 @@ def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tupl
     return serving
 
 
+def _serve_calibration_loads(model: str, knobs, light, busy):
+    """One server with `knobs`: the light load, then the busy one. Returns their results, the
+    front + client CPU seconds the light one took (idle cost subtracted) and that idle cost."""
+    import time
+
+    import psutil
+
+    from autotune.bench import loadgen
+    from autotune.bench.runner import RunLog, embed_body, start_server, token_bodies, wait_idle, warm_up
+
+    mode = Mode("calibrate", knobs, description=describe(knobs))
+    light_bodies, busy_bodies = token_bodies(light), token_bodies(busy, len(light))
+    with tempfile.TemporaryDirectory() as workdir:
+        server = start_server(mode, model, workdir)
+        try:
+            log = RunLog(server.url)
+            warm_up(log, 10.0, 2.0, embed_body(["a few words to warm the workers up"], 0))
+            log.close()
+            wait_idle(server.url)
+            front, client = psutil.Process(server.proc.pid), psutil.Process()
+
+            def cpu_seconds() -> float:
+                return sum(front.cpu_times()[:2]) + sum(client.cpu_times()[:2])
+
+            cpu0, idle_from = cpu_seconds(), time.monotonic()
+            time.sleep(IDLE_SECONDS)  # what the front's own threads (sampler, metrics) cost without requests
+            idle_cores = (cpu_seconds() - cpu0) / (time.monotonic() - idle_from)
+            cpu0, started = cpu_seconds(), time.monotonic()
+            light_results = loadgen.run(server.url, [t for t, _ in light], lambda i: light_bodies[i])
+            wall = time.monotonic() - started
+            cpu = max(0.0, cpu_seconds() - cpu0 - idle_cores * wall)
+            wait_idle(server.url)
+            busy_results = loadgen.run(server.url, [t for t, _ in busy], lambda i: busy_bodies[i])
+        finally:
+            server.stop()
+
+    return light_results, busy_results, cpu, idle_cores
+
+
 def percentiles(values) -> list[float]:
     """Percentiles 0, 1, ..., 100 of `values`: what the simulator draws from (SimConfig.*_percentiles)."""
     import numpy as np
@@ -134,7 +143,7 @@ def percentiles(values) -> list[float]:
 
 def validate(workloads: list[tuple[str, list]], knobs, policy_path: str | None, cost_model, sim_config, model: str, slo: float, say) -> list[dict]:
     """One row per (label, arrivals): the live summary, the simulated one and their comparison."""
-    from autotune.simulator import simulate
+    from autotune.offline.simulator import simulate
     from policies.loader import load_policy
 
     mode = Mode("validate", knobs, autotune=policy_path is not None, description=describe(knobs))

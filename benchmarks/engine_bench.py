@@ -14,10 +14,10 @@ Measures, on one model (default builtin:minilm) and fixed-length inputs (16 toke
 The front process (this script) never imports torch: every in-process measurement runs in
 spawned child processes, so the PSS in (d) is the engine's own.
 
-    python bench/engine_bench.py            # full run, ~4-5 minutes on 2 cores
-    python bench/engine_bench.py --quick    # ~1.5 minutes, shorter windows
-    python bench/engine_bench.py --json     # last stdout line: one JSON object
-    python bench/engine_bench.py --out DIR  # also writes DIR/engine_bench.{json,md}
+    python benchmarks/engine_bench.py            # full run, ~4-5 minutes on 2 cores
+    python benchmarks/engine_bench.py --quick    # ~1.5 minutes, shorter windows
+    python benchmarks/engine_bench.py --json     # last stdout line: one JSON object
+    python benchmarks/engine_bench.py --out DIR  # also writes DIR/engine_bench.{json,md}
 
 Progress goes to stderr; the report (markdown) to stdout.
 """
@@ -30,17 +30,16 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import threading
 import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from autotune.bench.inputs import texts_of_tokens  # noqa: E402
-from autotune.bench.limit import _child_setup, _load_runner, run_layout  # noqa: E402
+from autotune.bench.limit import child_setup, load_runner, run_layout  # noqa: E402
+from autotune.bench.saturate import TARGET_TOKENS, engine_procs, saturate  # noqa: E402
 from autotune.bench.machine import LoadMonitor, machine_info  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TARGET_TOKENS = 16
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 _T0 = time.monotonic()
 
@@ -57,8 +56,8 @@ def log(msg: str) -> None:
 def _bare_latency_child(path, text, repeats, results):
     """Bare in-process time of one request (batch 1, 1 thread): tokenize+forward+pool, and forward+pool only."""
     try:
-        _child_setup(1)
-        embed, runner, hidden = _load_runner(path)
+        child_setup(1)
+        embed, runner, hidden = load_runner(path)
         import numpy as np
 
         _, ids, lengths = embed([text])
@@ -97,114 +96,6 @@ def bare_latency(ctx, path, text, repeats) -> dict:
 
 
 # ---- engine helpers -------------------------------------------------------------------------
-
-
-def engine_procs(eng):
-    import psutil
-
-    pids = eng.pids
-    procs = {"front": psutil.Process(os.getpid())}
-    for pid in pids["zygote"]:
-        procs["zygote"] = psutil.Process(pid)
-    for i, pid in enumerate(pids["workers"]):
-        procs[f"worker{i}"] = psutil.Process(pid)
-    return procs
-
-
-def cpu_times(procs) -> dict[str, float]:
-    out = {}
-    for name, p in procs.items():
-        try:
-            t = p.cpu_times()
-            out[name] = t.user + t.system
-        except Exception:
-            out[name] = float("nan")
-    return out
-
-
-def front_thread_cpu() -> dict[str, float]:
-    """CPU seconds per front-process thread, by thread name (from /proc)."""
-    import psutil
-
-    names = {}
-    for t in threading.enumerate():
-        if t.native_id is not None:
-            names[t.native_id] = t.name
-    out = {}
-    for th in psutil.Process().threads():
-        name = names.get(th.id, f"native-{th.id}")
-        out[name] = out.get(name, 0.0) + th.user_time + th.system_time
-    return out
-
-
-def saturate(eng, texts, outstanding: int, warmup: float, duration: float, label: str, mon: "LoadMonitor") -> dict:
-    """Keep `outstanding` single-text requests in flight; completed/s over `duration` after `warmup`."""
-    sem = threading.Semaphore(outstanding)
-    stop = threading.Event()
-    done_log: list = []
-    errors: list = []
-
-    def on_done(f):
-        sem.release()
-        exc = f.exception()
-        if exc is not None:
-            errors.append(exc)
-        else:
-            done_log.append((time.monotonic(), f.result().timings))
-
-    def feeder():
-        i = 0
-        while not stop.is_set():
-            if not sem.acquire(timeout=0.1):
-                continue
-            eng.embed(texts[i % len(texts)]).add_done_callback(on_done)
-            i += 1
-
-    thread = threading.Thread(target=feeder, name="bench-feeder", daemon=True)
-    thread.start()
-    time.sleep(warmup)
-    procs = engine_procs(eng)
-    s0, c0, th0, t0 = eng.stats(), cpu_times(procs), front_thread_cpu(), time.monotonic()
-    n0 = len(done_log)
-    next_print = t0 + 2.0
-    while (now := time.monotonic()) < t0 + duration:
-        time.sleep(min(0.25, t0 + duration - now))
-        if time.monotonic() >= next_print:
-            next_print += 2.0
-            rate = (len(done_log) - n0) / (time.monotonic() - t0)
-            log(f"  {label}: {rate:7.1f} req/s so far")
-    s1, c1, th1, t1 = eng.stats(), cpu_times(procs), front_thread_cpu(), time.monotonic()
-    n1 = len(done_log)
-    stop.set()
-    thread.join()
-    deadline = time.monotonic() + 60
-    while eng.stats().pending_requests and time.monotonic() < deadline:
-        time.sleep(0.05)
-    wall = t1 - t0
-    window = [tm for (ts, tm) in done_log[n0:n1]]
-    k0, k1 = s0.counters, s1.counters
-    busy0 = {w.worker_id: w.busy_seconds for w in s0.workers}
-    busy = {w.worker_id: (w.busy_seconds - busy0.get(w.worker_id, 0.0)) / wall for w in s1.workers}
-
-    def mean(attr):
-        return statistics.fmean(getattr(t, attr) for t in window) * 1e3 if window else float("nan")
-
-    batches = k1.batches - k0.batches
-    return {
-        "label": label,
-        "knobs": eng.knobs.as_dict(),
-        "outstanding": outstanding,
-        "seconds": wall,
-        "completed": k1.completed - k0.completed,
-        "throughput": (k1.completed - k0.completed) / wall,
-        "mean_batch": (k1.items - k0.items) / batches if batches else 0.0,
-        "worker_model_busy": busy,
-        "cpu_share": {name: (c1[name] - c0[name]) / wall for name in c0},
-        "front_threads_cpu": {name: (th1.get(name, 0.0) - th0.get(name, 0.0)) / wall for name in th1},
-        "timings_ms": {a: mean(a) for a in ("preprocess", "queue", "model", "total")},
-        "errors": len(errors),
-        "other_load_cores": mon.foreign(t0, t1),
-    }
 
 
 def pss_report(eng) -> dict[str, float]:
@@ -320,7 +211,7 @@ def _run(args, result, source, texts, ctx, cores, mon, quiet, limit_secs, sat_wa
             secs = sat_secs if label == "base" else var_secs
             quiet()
             capacity = knobs.process_count * eng.config.max_inflight_batches * knobs.max_batch_size
-            r = saturate(eng, texts, max(args.outstanding, 2 * capacity), sat_warm, secs, label, mon)
+            r = saturate(eng, texts, max(args.outstanding, 2 * capacity), sat_warm, secs, label, mon, log)
             r["ratio"] = r["throughput"] / best
             sat.append(r)
             t = r["timings_ms"]

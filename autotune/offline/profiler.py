@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autotune.costmodel import FittedCostModel, Point, fit_cost_model, predict
+from autotune.offline.costmodel import FittedCostModel, Point, fit_cost_model, predict
 
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog while the server tunes itself. "
 

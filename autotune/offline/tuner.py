@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import yaml
 
-from autotune.costmodel import CostModel
-from autotune.simulator import SimConfig, simulate
+from autotune.offline.costmodel import CostModel
+from autotune.offline.simulator import SimConfig, simulate
 from engine.config import Knobs
 from policies.loader import policy_from_spec
 

@@ -6,7 +6,7 @@ takes `--samples` Observations and measures the sampling thread's own CPU time
 every worker's USS and NUMA pages (page-table walks, done every 30 s); the amortized cost at
 1 Hz is ordinary + (detailed - ordinary) / 30.
 
-    python bench/sampler_bench.py [--samples 50] [--json]
+    python benchmarks/sampler_bench.py [--samples 50] [--json]
 """
 
 from __future__ import annotations

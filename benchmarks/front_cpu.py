@@ -8,7 +8,7 @@ of the front process (and of each of its threads: the event loop and the others,
 the engine core),
 of each worker, and of the load generator itself.
 
-    python bench/front_cpu.py [--rate 150] [--seconds 20] [--knobs process_count=2,...] [--json]
+    python benchmarks/front_cpu.py [--rate 150] [--seconds 20] [--knobs process_count=2,...] [--json]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 import numpy as np
 import psutil
 
-from autotune import loadgen
+from autotune.bench import loadgen
 from autotune.bench.inputs import sentences
 from autotune.bench.modes import Mode, parse_knobs
 from autotune.bench.runner import RunLog, embed_body, start_server, wait_idle, warm_up

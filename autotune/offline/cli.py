@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ import time
 import yaml
 
 from autotune import shipped
+from autotune.output import emit, jsonable, say
 from autotune.bench.modes import parse_knobs
 from engine.config import INFLIGHT_BATCHES, Knobs
 
@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     p.set_defaults(run=run_profile)
 
     s = subparsers.add_parser("simulate", help="run a workload through the simulated engine under a policy")
-    s.add_argument("--workload", required=True, help="`kind:key=value,...` (see autotune/workloads.py) or a YAML file")
+    s.add_argument("--workload", required=True, help="`kind:key=value,...` (see autotune/bench/workloads.py) or a YAML file")
     s.add_argument("--policy", default=STATIC_POLICY, help="policy file or builtin:NAME (as `selftune serve --policy`)")
     s.add_argument("--cost-model", default=DEFAULT_COST_MODEL, help="cost model JSON or builtin:NAME (default: %(default)s)")
     s.add_argument("--slo", type=float, default=0.5, help="latency objective in seconds")
@@ -86,7 +86,7 @@ def _sim_arguments(parser) -> None:
 
 def sim_config(args, slo: float, knobs: Knobs | None = None, serving: dict | None = None, **extra):
     """The simulated server from the command line; per-request serving costs from the cost model."""
-    from autotune.simulator import SimConfig
+    from autotune.offline.simulator import SimConfig
 
     serving = serving or {}
     return SimConfig(
@@ -108,7 +108,7 @@ def sim_config(args, slo: float, knobs: Knobs | None = None, serving: dict | Non
 
 def load_workload(spec):
     """A workload spec string, a YAML file holding one spec mapping, or a mapping."""
-    from autotune.workloads import from_spec
+    from autotune.bench.workloads import from_spec
 
     if isinstance(spec, str) and os.path.isfile(spec):
         with open(spec, encoding="utf-8") as f:
@@ -116,29 +116,11 @@ def load_workload(spec):
     return from_spec(spec)
 
 
-def emit(result: dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(result, default=jsonable))
-
-
-def jsonable(value):
-    """json.dump's `default`: non-finite floats as null, arrays as lists, the rest as text."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
-
-
-def say(text: str = "") -> None:
-    print(text, file=sys.stderr)
-
-
 # ---- profile -------------------------------------------------------------------------------
 
 
 def run_profile(args) -> int:
-    from autotune.profiler import FULL, QUICK, plot, profile
+    from autotune.offline.profiler import FULL, QUICK, plot, profile
 
     model = profile(args.model, args.dtype, QUICK if args.quick else FULL, args.seed)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -158,8 +140,8 @@ def run_profile(args) -> int:
 
 
 def run_simulate(args) -> int:
-    from autotune.costmodel import load_cost_model
-    from autotune.simulator import plot_timeline, simulate
+    from autotune.offline.costmodel import load_cost_model
+    from autotune.offline.simulator import plot_timeline, simulate
     from policies.loader import load_policy
 
     try:
@@ -207,10 +189,8 @@ def _report_simulation(s: dict) -> None:
 
 
 def run_tune(args) -> int:
-    from autotune.costmodel import load_cost_model
-    from autotune.tuner import (
+    from autotune.offline.tuner import (
         DEFAULT_STATIC_GRID,
-        Problem,
         get_path,
         oracle,
         progress_bar,
@@ -229,27 +209,9 @@ def run_tune(args) -> int:
     except OSError as exc:
         print(f"selftune tune: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
-    objective = args.objective or config.get("objective", "goodput")
-    search = config.get("search", {}) or {}
+    problem, knobs, search = _tune_problem(args, config, spec)
+    objective = problem.objective
     method = args.method or search.get("method", "differential_evolution")
-    sim = config.get("simulator", {}) or {}
-    defaults = argparse.Namespace(knobs="", cores=None, max_inflight_batches=INFLIGHT_BATCHES, startup_seconds=1.0, max_queued_requests=512, interval=2.0, cooldown=4.0)
-    for key, value in sim.items():
-        if not hasattr(defaults, key) or key == "knobs":
-            raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k != 'knobs')}")
-        setattr(defaults, key, value)
-    knobs = Knobs(**config.get("knobs", {}))
-    cost_model = load_cost_model(str(shipped.resolve(config.get("cost_model", DEFAULT_COST_MODEL), shipped.COST_MODEL)))
-    problem = Problem(
-        spec=spec,
-        workloads=[load_workload(w) for w in config.get("workloads", [])],
-        cost_model=cost_model,
-        sim=sim_config(defaults, float(config.get("slo_seconds", 0.5)), knobs, serving=cost_model.serving),
-        objective=objective,
-        space=search.get("params", {}) or {},
-    )
-    if not problem.workloads:
-        raise SystemExit(f"{args.config}: workloads: give at least one")
     started = time.perf_counter()
     grid = config.get("static_grid")
     with progress_bar(len(static_grid(grid or DEFAULT_STATIC_GRID, knobs, problem.sim)), "static oracle") as bar:
@@ -278,6 +240,34 @@ def run_tune(args) -> int:
     return 0
 
 
+def _tune_problem(args, config: dict, spec: dict):
+    """The tune config's simulator, workloads, cost model and search space as one Problem."""
+    from autotune.offline.costmodel import load_cost_model
+    from autotune.offline.tuner import Problem
+
+    objective = args.objective or config.get("objective", "goodput")
+    search = config.get("search", {}) or {}
+    sim = config.get("simulator", {}) or {}
+    defaults = argparse.Namespace(knobs="", cores=None, max_inflight_batches=INFLIGHT_BATCHES, startup_seconds=1.0, max_queued_requests=512, interval=2.0, cooldown=4.0)
+    for key, value in sim.items():
+        if not hasattr(defaults, key) or key == "knobs":
+            raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k != 'knobs')}")
+        setattr(defaults, key, value)
+    knobs = Knobs(**config.get("knobs", {}))
+    cost_model = load_cost_model(str(shipped.resolve(config.get("cost_model", DEFAULT_COST_MODEL), shipped.COST_MODEL)))
+    problem = Problem(
+        spec=spec,
+        workloads=[load_workload(w) for w in config.get("workloads", [])],
+        cost_model=cost_model,
+        sim=sim_config(defaults, float(config.get("slo_seconds", 0.5)), knobs, serving=cost_model.serving),
+        objective=objective,
+        space=search.get("params", {}) or {},
+    )
+    if not problem.workloads:
+        raise SystemExit(f"{args.config}: workloads: give at least one")
+    return problem, knobs, search
+
+
 def _report_tune(r: dict) -> None:
     o = r["oracle"]
     say(f"objective: {r['objective']}   ({r['wall_seconds']:.1f} s)")
@@ -294,9 +284,9 @@ def _report_tune(r: dict) -> None:
 def run_validate(args) -> int:
     import dataclasses
 
-    from autotune.costmodel import load_cost_model
-    from autotune.validate import calibrate, plot, table, validate
-    from autotune.workloads import poisson
+    from autotune.offline.costmodel import load_cost_model
+    from autotune.offline.validate import calibrate, plot, table, validate
+    from autotune.bench.workloads import poisson
 
     try:
         cost_model = load_cost_model(str(shipped.resolve(args.cost_model, shipped.COST_MODEL)))
