@@ -52,9 +52,11 @@ class EngineCore:
         self.jobs = jobs_type(config, info, self.scheduler, self.counters, latency, self.supervisor)
         self.supervisor.jobs = self.jobs
         self.changed = threading.Condition()
-        """Notified when ready_workers, pending or state change (at the end of a turn)."""
+        """Notified when ready_workers, pending, crash_loop or state change (at the end of a turn)."""
         self.ready_workers = 0
         self.pending = 0
+        self.crash_loop: str | None = None
+        """The supervisor's reason, once it stopped replacing workers."""
 
     # ---- called from other threads -------------------------------------------------------
 
@@ -113,10 +115,10 @@ class EngineCore:
 
     def _publish(self) -> None:
         ready = sum(1 for s in self.scheduler.router.workers() if s.state is WorkerState.READY)
-        pending = self.jobs.pending()
-        if (ready, pending) != (self.ready_workers, self.pending) or self.state is EngineState.STOPPED:
+        now = (ready, self.jobs.pending(), self.supervisor.crash_loop)
+        if now != (self.ready_workers, self.pending, self.crash_loop) or self.state is EngineState.STOPPED:
             with self.changed:
-                self.ready_workers, self.pending = ready, pending
+                self.ready_workers, self.pending, self.crash_loop = now
                 self.changed.notify_all()
 
     def _on_inbox(self) -> None:

@@ -84,6 +84,11 @@ class Engine:
         # One BLAS/OpenMP thread in the zygote: it never computes, and its pools must not
         # outlive the fork; each worker sets its own thread count.
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        # GPUs: the planner numbers them as NVML does (PCI bus order), so CUDA must too; and
+        # torch's "is CUDA there" asks NVML, not the runtime, so the zygote's check does not
+        # initialise CUDA in the process its workers fork from (a forked child could not use it).
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         self._zygote_proc = subprocess.Popen(
             [sys.executable, "-m", "engine.zygote", *args], pass_fds=[theirs.fileno()], close_fds=True, env=env
         )
@@ -98,8 +103,10 @@ class Engine:
 
     def wait_ready(self, timeout: float = 300.0, workers: int = 1) -> None:
         """Block until at least `workers` workers have warmed up and take traffic."""
-        if self._core.wait_for(lambda core: core.ready_workers >= workers, timeout):
-            return
+        if self._core.wait_for(lambda core: core.ready_workers >= workers or core.crash_loop is not None, timeout):
+            if self._core.ready_workers >= workers:
+                return
+            raise RuntimeError(f"no {workers} ready worker(s): {self._core.crash_loop}")
         if self._core.state is EngineState.STOPPED:
             raise RuntimeError("the engine core stopped during start-up; see the log")
         raise TimeoutError(f"no {workers} ready worker(s) after {timeout:.0f}s")

@@ -138,6 +138,16 @@ def test_shutdown_leaves_no_process_and_no_shared_memory(shm_entries):
     assert set(os.listdir("/dev/shm")) == shm_entries
 
 
+def test_waiting_for_workers_ends_at_once_in_a_crash_loop():
+    """A crash loop means no worker will come: wait_ready says so instead of running out its timeout."""
+    with Engine(EngineConfig(knobs=Knobs(process_count=1), crash_loop=(1, 60.0))) as eng:
+        eng.wait_ready(workers=1)
+        os.kill(eng.pids["workers"][0], signal.SIGKILL)
+        wait_until(lambda: eng.stats().crash_loop is not None, timeout=30)
+        with pytest.raises(RuntimeError, match="crash loop"):
+            eng.wait_ready(workers=1, timeout=600)  # before, this waited out the 600 s
+
+
 def test_front_process_death_takes_the_workers_with_it(tmp_path):
     """SIGKILL of the process that owns the engine: the zygote and workers exit by themselves."""
     import subprocess
