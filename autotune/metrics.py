@@ -29,6 +29,7 @@ class SelftuneCollector(Collector):
         reading = self.telemetry.reading()
         yield from self._requests(reading)
         yield from self._knobs(reading.stats)
+        yield from self._model()
         observation = self.telemetry.latest
         if observation is not None:
             yield from self._workers(observation)
@@ -71,6 +72,26 @@ class SelftuneCollector(Collector):
         for w in (stats.placement or {}).get("workers", []):
             placement.add_metric([str(w["worker"]), w["cpus"], str(w["node"]), str(w["gpu"])], 1)
         yield placement
+
+    def _model(self):
+        """What runs: the model, device and dtype (and how the dtype was chosen), and the
+        dtype's measured fidelity and speed against fp32 on the start-up probe set."""
+        engine = getattr(self.telemetry, "engine", None)
+        if engine is None or getattr(engine, "source", None) is None:
+            return
+        choice = engine.dtype_choice or {}
+        labels = ["model", "task", "device", "dtype", "requested_dtype", "dtype_mode"]
+        info = GaugeMetricFamily("selftune_model_info", "The served model, device and dtype (value is always 1)", labels=labels)
+        info.add_metric([engine.source.name, engine.config.task, str(engine.device), str(engine.dtype),
+                         str(choice.get("requested", engine.config.dtype)), str(choice.get("mode", ""))], 1)
+        yield info
+        for key, name, doc in (
+            ("min_cosine", "selftune_model_dtype_min_cosine", "Worst cosine of the served dtype's embeddings to fp32's on the start-up probe set (1 for fp32)"),
+            ("bf16_min_cosine", "selftune_model_bf16_min_cosine", "Worst cosine of bf16's embeddings to fp32's on the start-up probe set, as probed"),
+            ("bf16_speedup", "selftune_model_bf16_speedup_ratio", "bf16's probe batch speed over fp32's, measured interleaved at start-up"),
+        ):
+            if choice.get(key) is not None:
+                yield _gauge(name, doc, float(choice[key]))
 
     def _workers(self, observation):
         families = {

@@ -91,7 +91,8 @@ class EngineConfig:
     device: str = "auto"
     """`auto`, `cpu`, `cuda` or `cuda:N`."""
     dtype: str = "auto"
-    """`auto` (float32 on CPU, bfloat16/float16 on CUDA), `float32`, `bfloat16`, `float16`."""
+    """auto: embeddings measure bf16 against fp32 at start-up (engine.zygote); generation takes
+    float32 on CPU, bf16 (or fp16) on CUDA. Or float32, bfloat16, float16 as named."""
     max_input_tokens: int | None = None
     """Longer inputs are rejected; None means the model's own limit."""
     pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS

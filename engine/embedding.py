@@ -4,17 +4,25 @@ This is what sentence-transformers computes for all-MiniLM-L6-v2 (Transformer ->
 -> Normalize); the tests hold it to that within 1e-4. Batches of mixed lengths run packed
 (engine.packing): inputs end to end in rows, each attending only to itself through a
 block-diagonal mask, with positions restarting at every input.
+
+A model whose Linear weights are in bf16 and the rest in fp32 (engine.loading's mixed
+precision) runs under autocast; pooling and normalisation always run in fp32. `probe_dtype`
+is what `model.dtype: auto` decides with: fidelity against fp32 on a fixed probe set, and
+the speed of both, interleaved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine import packing
+from engine.loading import MIN_COSINE, MIN_SPEEDUP, compute_dtype
 
 log = logging.getLogger("selftune.engine")
 
@@ -27,6 +35,19 @@ class EmbeddingRunner:
         """Tokens per packed row; 0 runs every batch padded."""
         self.vocab_size = vocab_size
         self._checked = False
+        self.compute_dtype = compute_dtype(model)
+        """The matmuls' dtype (the Linear weights')."""
+        self.activation_dtype = next(model.parameters()).dtype
+        """The residual stream's dtype (the embeddings')."""
+        self._autocast = self.compute_dtype != self.activation_dtype
+        self._device_type = torch.device(device).type
+
+    def _forward(self, **inputs) -> torch.Tensor:
+        """The model's last hidden state, in fp32 for pooling; mixed precision under autocast."""
+        context = torch.autocast(self._device_type, dtype=self.compute_dtype) if self._autocast else contextlib.nullcontext()
+        with context:
+            hidden = self.model(**inputs).last_hidden_state
+        return hidden.float()
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, lengths: tuple[int, ...], out: np.ndarray) -> None:
@@ -35,13 +56,13 @@ class EmbeddingRunner:
         if plan is not None and not self._checked and not self.check_packing():
             plan = None
         vectors = self._padded(ids, lengths) if plan is None else self._packed(ids, lengths, plan)
-        torch.from_numpy(out).copy_(F.normalize(vectors.float(), p=2, dim=1).cpu())
+        torch.from_numpy(out).copy_(F.normalize(vectors, p=2, dim=1).cpu())
 
     def _padded(self, ids: np.ndarray, lengths: tuple[int, ...]) -> torch.Tensor:
         input_ids = torch.from_numpy(ids).to(self.device, torch.long)
         lengths_t = torch.tensor(lengths, device=self.device)
         mask = torch.arange(ids.shape[1], device=self.device)[None, :] < lengths_t[:, None]
-        hidden = self.model(input_ids=input_ids, attention_mask=mask.long()).last_hidden_state
+        hidden = self._forward(input_ids=input_ids, attention_mask=mask.long())
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
@@ -61,14 +82,14 @@ class EmbeddingRunner:
         seg = torch.from_numpy(segment).to(self.device)
         same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
         same |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding attends to itself: no empty rows
-        dtype = next(self.model.parameters()).dtype
+        dtype = self.activation_dtype
         mask = torch.zeros(rows, 1, width, width, dtype=dtype, device=self.device)
         mask.masked_fill_(~same[:, None], torch.finfo(dtype).min)
-        hidden = self.model(
+        hidden = self._forward(
             input_ids=torch.from_numpy(packed).to(self.device),
             attention_mask=mask,
             position_ids=torch.from_numpy(positions).to(self.device),
-        ).last_hidden_state
+        )
         flat = seg.reshape(-1)
         real = flat >= 0
         sums = torch.zeros(len(lengths), hidden.shape[-1], dtype=hidden.dtype, device=self.device)
@@ -84,7 +105,7 @@ class EmbeddingRunner:
         if not self.pack_row_tokens:
             return False
         vocab_size = self.vocab_size
-        tolerance = 1e-4 if next(self.model.parameters()).dtype == torch.float32 else 3e-2
+        tolerance = 1e-4 if self.compute_dtype == torch.float32 else 3e-2
         lengths = (7, 3, 5, 2)
         rng = np.random.default_rng(0)
         ids = np.zeros((len(lengths), max(lengths)), dtype=np.int32)
@@ -104,3 +125,142 @@ class EmbeddingRunner:
         if not agree:
             self.pack_row_tokens = 0
         return agree
+
+
+PROBE_TEXTS = (
+    "hello world",
+    "What is the capital of France?",
+    "Paris is the capital and most populous city of France.",
+    "The quick brown fox jumps over the lazy dog.",
+    "selftune tunes its own concurrency while it serves embeddings and text generation.",
+    "How do I reset my password if I no longer have access to the email address on my account?",
+    "Order #48213 shipped on 2024-03-07 and should arrive within 3 to 5 business days.",
+    "def add(a, b): return a + b  # adds two numbers",
+    "Ein kleines Haus am Fluss, weit weg von der Stadt.",
+    "La tour Eiffel a été construite pour l'Exposition universelle de 1889.",
+    "Batching stops paying at about sixteen short inputs on two cores, and packing helps mixed lengths.",
+    "Embeddings map sentences to vectors; similar sentences land close together, unrelated ones far apart.",
+    "The first train leaves the old city early, crosses the long bridge over the river, and reaches "
+    "the small village near the forest before the market opens.",
+    "Mean pooling averages the token vectors of a sentence, weighted by the attention mask, and the "
+    "result is normalised to unit length so that a dot product between two of them is their cosine.",
+    "A model-inference server that tunes its own concurrency while it serves: worker processes, threads "
+    "per worker, pre- and post-processing threads, batch timeout and maximum batch size change live "
+    "without losing a request, driven by a policy that reads latency, throughput and the machine's load.",
+    "ok",
+)
+"""The fixed probe set of `model.dtype: auto`: short and long, prose, numbers, code, German and
+French. Every one must keep MIN_COSINE against fp32."""
+
+
+def _batch(ids: list[list[int]]) -> tuple[np.ndarray, tuple[int, ...]]:
+    lengths = tuple(len(x) for x in ids)
+    matrix = np.zeros((len(ids), max(lengths)), dtype=np.int32)
+    for row, x in enumerate(ids):
+        matrix[row, : len(x)] = x
+    return matrix, lengths
+
+
+def probe_dtype(model, device: str, candidate, ids: list[list[int]], rounds: int = 3, timing: bool = True,
+                pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS, vocab_size: int = 1000) -> dict:
+    """The fp32 `model` against a mixed-precision copy of it in `candidate` (torch.bfloat16).
+
+    Fidelity: each probe input's embedding from the candidate, in the packed and the padded
+    batch, against fp32's padded batch (which equals each input alone); the worst cosine.
+    Speed (`timing`): the packed probe batch in both, interleaved A B, B A, ... for `rounds`
+    rounds after one warm-up each; the fastest of each (noise on a shared machine only adds).
+    Leaves `model` as it was; the copy costs one model's memory while it lives."""
+    import copy
+
+    from engine.loading import to_mixed_precision
+
+    started = time.perf_counter()
+    reference = model if device == "cpu" else copy.deepcopy(model).to(device)
+    trial = to_mixed_precision(copy.deepcopy(model), candidate).to(device)
+    runners = {
+        "float32": EmbeddingRunner(reference, device, pack_row_tokens, vocab_size),
+        "candidate": EmbeddingRunner(trial, device, pack_row_tokens, vocab_size),
+    }
+    padded_only = EmbeddingRunner(trial, device, 0, vocab_size)
+    matrix, lengths = _batch(ids)
+    hidden = int(getattr(model.config, "hidden_size", 0)) or int(next(model.parameters()).shape[-1])
+
+    def embed(runner) -> np.ndarray:
+        out = np.empty((len(lengths), hidden), dtype=np.float32)
+        runner.run(matrix, lengths, out)
+        return out
+
+    expected = EmbeddingRunner(reference, device, 0, vocab_size)
+    want = embed(expected)
+    packed = embed(runners["candidate"])
+    padded = embed(padded_only)
+    cos_packed = (packed * want).sum(axis=1)
+    cos_padded = (padded * want).sum(axis=1)
+    result = {
+        "candidate": str(candidate).removeprefix("torch."),
+        "probe_inputs": len(lengths),
+        "min_cosine": float(min(cos_packed.min(), cos_padded.min())),
+        "min_cosine_packed": float(cos_packed.min()),
+        "min_cosine_padded": float(cos_padded.min()),
+        "worst_input": int(np.argmin(np.minimum(cos_packed, cos_padded))),
+    }
+    if timing:
+        times: dict[str, list[float]] = {"float32": [], "candidate": []}
+        for name in times:
+            embed(runners[name])  # warm-up: the first forward at a shape pays for it
+        for r in range(rounds):
+            for name in (("float32", "candidate") if r % 2 == 0 else ("candidate", "float32")):
+                t = time.perf_counter()
+                embed(runners[name])
+                times[name].append(time.perf_counter() - t)
+        result["float32_ms"] = [round(t * 1e3, 2) for t in times["float32"]]
+        result["candidate_ms"] = [round(t * 1e3, 2) for t in times["candidate"]]
+        result["speedup"] = float(min(times["float32"]) / min(times["candidate"]))
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    return result
+
+
+def decide_dtype(requested: str, native: tuple[bool, str] | None, probe: dict | None, error: str | None = None) -> dict:
+    """`model.dtype: auto`'s choice, from the native-bf16 check and the probe (pure).
+
+    bfloat16 only when (a) the device has native bf16, (b) every probe input keeps
+    MIN_COSINE against fp32, (c) it measured at least MIN_SPEEDUP faster; float32 otherwise.
+    A forced dtype is kept as asked, with whatever was measured of it. `min_cosine` is the
+    served dtype's worst cosine against fp32 on the probe set (1.0 for fp32 itself; None when
+    nothing was measured); `bf16_*` is what the probe measured of the candidate."""
+    choice: dict = {"requested": requested}
+    if native is not None:
+        choice["native_bf16"], choice["native_bf16_reason"] = native
+    if probe:
+        choice["bf16_min_cosine"] = probe["min_cosine"]
+        for key, name in (("speedup", "bf16_speedup"), ("float32_ms", "float32_ms"), ("candidate_ms", "bf16_ms")):
+            if key in probe:
+                choice[name] = probe[key]
+        choice["probe_inputs"] = probe.get("probe_inputs")
+        choice["probe_seconds"] = probe.get("seconds")
+    if error is not None:
+        choice["probe_error"] = error
+    if requested != "auto":
+        dtype, reason = requested, f"forced by model.dtype: {requested}"
+    elif error is not None:
+        dtype, reason = "float32", f"the bf16 probe failed ({error})"
+    elif native is not None and not native[0]:
+        dtype, reason = "float32", f"no native bf16 ({native[1]})"
+    elif probe is None:
+        dtype, reason = "float32", "bf16 not probed"
+    elif probe["min_cosine"] < MIN_COSINE:
+        dtype, reason = "float32", f"bf16 cosine {probe['min_cosine']:.6f} < {MIN_COSINE} on the probe set"
+    elif probe.get("speedup", 0.0) < MIN_SPEEDUP:
+        dtype, reason = "float32", f"bf16 only {probe.get('speedup', 0.0):.2f}x fp32 on the probe batch (< {MIN_SPEEDUP}x)"
+    else:
+        dtype, reason = "bfloat16", f"native bf16, cosine {probe['min_cosine']:.6f} >= {MIN_COSINE}, {probe['speedup']:.2f}x fp32"
+    choice["dtype"], choice["reason"] = dtype, reason
+    if dtype == "bfloat16":
+        choice["mode"] = "bf16-mixed"
+        choice["precision"] = "Linear weights bf16 under autocast; embeddings, LayerNorm, residuals, pooling fp32"
+        choice["min_cosine"] = probe["min_cosine"] if probe else None
+    elif dtype == "float32":
+        choice["mode"], choice["min_cosine"] = "fp32", 1.0
+    else:
+        choice["mode"], choice["min_cosine"] = "cast", None
+    return choice

@@ -44,6 +44,8 @@ class Engine:
         self.info: ModelInfo | None = None
         self.device = None
         self.dtype = None
+        self.dtype_choice: dict | None = None
+        """How model.dtype was resolved (the zygote's probe), for /stats and /metrics."""
         self._zygote_proc: subprocess.Popen | None = None
         self._zygote_conn: Connection | None = None
         self._core: EngineCore | None = None
@@ -99,7 +101,7 @@ class Engine:
         msg = self._zygote_conn.recv()
         if isinstance(msg, m.ZygoteFailed):
             raise RuntimeError(f"loading {self.config.model} failed:\n{msg.error}")
-        self.device, self.dtype = msg.device, msg.dtype
+        self.device, self.dtype, self.dtype_choice = msg.device, msg.dtype, msg.dtype_choice
 
     def wait_ready(self, timeout: float = 300.0, workers: int = 1) -> None:
         """Block until at least `workers` workers have warmed up and take traffic."""

@@ -52,6 +52,9 @@ class ZygoteLoaded:
 
     device: str
     dtype: str
+    dtype_choice: dict | None = None
+    """How model.dtype was resolved: requested, dtype, mode, reason, native_bf16, min_cosine
+    (worst cosine to fp32 on the probe set), bf16_speedup... (for /stats, /metrics, the log)."""
 
 
 @dataclass(frozen=True, slots=True)

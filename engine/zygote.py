@@ -6,17 +6,26 @@ zygote is started with exec (not forked from the front process, whose threads wo
 fork unsafe), stays single-threaded, and never runs a torch op: OpenMP thread pools do not
 survive fork, so each worker starts its own after it is forked.
 
+An embedding model with `dtype: auto` (or bfloat16) is probed once after loading, in a child
+forked for the purpose (so the zygote itself still runs no forward and never initialises CUDA):
+bf16's fidelity against fp32 on a fixed probe set and, for auto, both dtypes' speed.
+engine.embedding.decide_dtype picks; the choice travels to the front in `ZygoteLoaded` and is
+logged here.
+
 Run as `python -m engine.zygote FD MODEL_PATH TASK DEVICE DTYPE`; FD is its socket to the front.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import select
 import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -25,6 +34,9 @@ from engine import messages as m
 from engine.heap import freeze_startup_heap
 
 log = logging.getLogger("selftune.zygote")
+
+PROBE_TIMEOUT = 120.0
+"""Seconds the dtype probe may take; past them it is killed and auto stays on fp32."""
 
 
 def main(argv: list[str]) -> int:
@@ -37,12 +49,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps exited workers
     conn = Connection(fd)
     try:
-        model, device, dtype_name = _load(model_path, task, device, dtype)
+        model, device, choice = _load(model_path, task, device, dtype)
     except Exception:
         conn.send(m.ZygoteFailed(traceback.format_exc()))
         return 1
     freeze_startup_heap()
-    conn.send(m.ZygoteLoaded(device, dtype_name))
+    conn.send(m.ZygoteLoaded(device, choice["dtype"], choice))
     while True:
         try:
             msg = conn.recv()
@@ -66,12 +78,124 @@ def _load(model_path: str, task: str, device: str, dtype: str):
     torch.set_num_threads(1)
     _no_background_threads()
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
-    model = load_model(model_path, task, torch_dtype)
+    if task == "embed" and dtype in ("auto", "bfloat16"):
+        model, choice = _load_embedding(model_path, device, dtype)
+    else:
+        torch_dtype = resolve_dtype(dtype, device)
+        model = load_model(model_path, task, torch_dtype)
+        name = str(torch_dtype).removeprefix("torch.")
+        reason = f"forced by model.dtype: {dtype}" if dtype != "auto" else f"auto for {task} on {device}: not probed"
+        choice = {"requested": dtype, "dtype": name, "mode": "fp32" if name == "float32" else "cast", "reason": reason,
+                  "min_cosine": 1.0 if name == "float32" else None}
+    _wait_for_loader_threads()
     if threading.active_count() > 1:  # idle native pools (torch, OpenBLAS) are fork-safe; Python threads are not
         names = [t.name for t in threading.enumerate()]
         log.warning("zygote has Python threads %s after loading; forking may be unsafe", names)
-    return model, device, str(torch_dtype).removeprefix("torch.")
+    cosine = choice.get("min_cosine")
+    log.info("model dtype %s (model.dtype: %s; %s): %s; worst cosine to fp32 on the probe set %s",
+             choice["dtype"], dtype, choice["mode"], choice["reason"], "n/a" if cosine is None else f"{cosine:.6f}")
+    return model, device, choice
+
+
+def _wait_for_loader_threads(timeout: float = 2.0) -> None:
+    """transformers loads weights on a ThreadPoolExecutor it shuts down without waiting; its
+    threads end a moment later. Give them that moment before anything forks."""
+    deadline = time.monotonic() + timeout
+    while threading.active_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _load_embedding(model_path: str, device: str, dtype: str):
+    """fp32 weights; bf16's fidelity (and, for auto, speed) measured in a probe child; then the
+    Linear weights converted here if bf16 it is (once, shared by every worker)."""
+    import torch
+
+    from engine.embedding import decide_dtype
+    from engine.loading import load_model, native_bf16, to_mixed_precision
+
+    model = load_model(model_path, "embed", torch.float32)
+    _wait_for_loader_threads()
+    native = None if device.startswith("cuda") else native_bf16(device)  # CUDA's check initialises CUDA: the child asks
+    probe = error = None
+    if dtype == "bfloat16" or native is None or native[0]:
+        result = _probe_in_child(model_path, model, device, timing=dtype == "auto")
+        error, probe = result.get("error"), result.get("probe")
+        if "native" in result:
+            native = tuple(result["native"])
+    choice = decide_dtype(dtype, native, probe, error)
+    if choice["dtype"] == "bfloat16":
+        to_mixed_precision(model, torch.bfloat16)
+    return model, choice
+
+
+def _probe_in_child(model_path: str, model, device: str, timing: bool) -> dict:
+    """engine.embedding.probe_dtype in a forked child; its answer as a dict ({"error": ...} if it
+    failed or timed out). The child runs the forwards, so the zygote stays a process that never
+    ran one (OpenMP pools, CUDA contexts) and every worker it forks starts clean."""
+    started = time.monotonic()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            try:
+                answer = _probe(model_path, model, device, timing)
+            except BaseException as exc:  # whatever the probe raises, auto falls back to fp32
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            data = json.dumps(answer).encode()
+            while data:
+                data = data[os.write(write_end, data) :]
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    chunks: list[bytes] = []
+    try:
+        while True:
+            left = PROBE_TIMEOUT - (time.monotonic() - started)
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                return {"error": f"the probe took over {PROBE_TIMEOUT:.0f}s"}
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+        _reap(pid)
+    try:
+        return json.loads(b"".join(chunks)) if chunks else {"error": "the probe child died without an answer"}
+    except ValueError:
+        return {"error": "the probe child's answer was cut short"}
+
+
+def _reap(pid: int) -> None:
+    """Wait for the probe child (it has answered or been killed). In the zygote, where SIGCHLD is
+    ignored, the kernel reaps it and waitpid only says so (ECHILD)."""
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def _probe(model_path: str, model, device: str, timing: bool) -> dict:
+    """In the probe child: the native check (CUDA), then the probe on the fixed probe set."""
+    import torch
+
+    from engine.embedding import PROBE_TEXTS, probe_dtype
+    from engine.loading import load_tokenizer, native_bf16, token_ids
+    from engine.worker import die_with_parent
+
+    die_with_parent()
+    torch.set_num_threads(1)  # as a worker with threads_per_process 1 runs
+    answer: dict = {}
+    if device.startswith("cuda"):
+        answer["native"] = native_bf16(device)
+        if not answer["native"][0]:
+            return answer
+    ids = token_ids(load_tokenizer(model_path), list(PROBE_TEXTS))
+    vocab = int(getattr(model.config, "vocab_size", 0) or 1000)
+    answer["probe"] = probe_dtype(model, device, torch.bfloat16, ids, timing=timing, vocab_size=vocab)
+    return answer
 
 
 def _no_background_threads() -> None:

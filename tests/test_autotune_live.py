@@ -113,6 +113,8 @@ def test_aimd_brings_p99_back_within_the_slo_after_a_step(tmp_path):
     policy = tmp_path / "aimd.yaml"
     policy.write_text(yaml.safe_dump({"kind": "aimd", "slo_p99_seconds": slo, "additive_step": 1, "decrease_factor": 0.5, "min_requests": 20, "cooldown_seconds": 2, "increase_below": 0.7}))
     config = {
+        # float32: the step must push p99 past the SLO at first; bf16 (dtype auto here) is fast enough not to
+        "model": {"dtype": "float32"},
         "concurrency": {"process_count": 1, "max_batch_size": 32, "batch_timeout": 0.2},
         "monitors": {"interval_seconds": 0.5, "window_seconds": 3},
         "autotune": {"policy": str(policy), "interval_seconds": 1, "cooldown_seconds": 1},

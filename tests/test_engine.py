@@ -38,7 +38,7 @@ def reference() -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def engine():
-    config = EngineConfig(knobs=Knobs(process_count=2, max_batch_size=8, batch_timeout=0.002))
+    config = EngineConfig(dtype="float32", knobs=Knobs(process_count=2, max_batch_size=8, batch_timeout=0.002))  # the exact fp32 path
     with Engine(config) as eng:
         yield eng
 

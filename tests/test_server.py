@@ -24,7 +24,7 @@ MODEL = "all-MiniLM-L6-v2"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     config = {
-        "model": {"name": "builtin:minilm"},
+        "model": {"name": "builtin:minilm", "dtype": "float32"},  # the exact fp32 path (auto may take bf16: tests/test_dtype.py)
         "concurrency": {"process_count": 2, "max_batch_size": 8, "batch_timeout": 0.002},
         "limits": {"max_items_per_request": 16, "max_body_bytes": 65536, "max_queued_requests": 64},
     }

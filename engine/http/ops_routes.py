@@ -58,7 +58,15 @@ async def stats(request: Request):
     state = state_of(request)
     engine = state.engine
     snapshot = engine.stats().as_dict()
-    snapshot["model"] = {"name": engine.source.name, "task": engine.config.task, "device": engine.device, "dtype": engine.dtype}
+    snapshot["model"] = {
+        "name": engine.source.name,
+        "task": engine.config.task,
+        "device": engine.device,
+        "dtype": engine.dtype,
+        # how model.dtype was resolved: requested, dtype, reason, native_bf16, min_cosine (worst
+        # cosine to fp32 on the probe set), bf16_speedup...; None if the engine does not say
+        "dtype_choice": engine.dtype_choice,
+    }
     snapshot["pinned"] = sorted(state.pinned)
     snapshot["server"] = {
         "in_flight": state.admission.current,
