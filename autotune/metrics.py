@@ -29,6 +29,7 @@ class SelftuneCollector(Collector):
         reading = self.telemetry.reading()
         yield from self._requests(reading)
         yield from self._knobs(reading.stats)
+        yield from self._kv_cache(reading.stats)
         yield from self._model()
         observation = self.telemetry.latest
         if observation is not None:
@@ -72,6 +73,24 @@ class SelftuneCollector(Collector):
         for w in (stats.placement or {}).get("workers", []):
             placement.add_metric([str(w["worker"]), w["cpus"], str(w["node"]), str(w["gpu"])], 1)
         yield placement
+
+    def _kv_cache(self, stats):
+        """Generation workers: running and waiting sequences, KV token slots, preemptions."""
+        rows = [w for w in stats.workers if w.kv_tokens_total or w.running_sequences or w.waiting_sequences]
+        if not rows:
+            return
+        families = (
+            ("running_sequences", GaugeMetricFamily, "selftune_worker_running_sequences", "Sequences in the worker's running batch"),
+            ("waiting_sequences", GaugeMetricFamily, "selftune_worker_waiting_sequences", "Sequences waiting in the worker for room"),
+            ("kv_tokens_used", GaugeMetricFamily, "selftune_worker_kv_cache_used_tokens", "Token slots the worker's KV cache holds (rows x columns)"),
+            ("kv_tokens_total", GaugeMetricFamily, "selftune_worker_kv_cache_capacity_tokens", "Token slots the worker's KV cache may hold"),
+            ("preemptions", CounterMetricFamily, "selftune_worker_preemptions", "Sequences preempted to keep the KV cache within its cap"),
+        )
+        for field, kind, name, doc in families:
+            family = kind(name, doc, labels=["worker"])
+            for w in rows:
+                family.add_metric([str(w.worker_id)], float(getattr(w, field)))
+            yield family
 
     def _model(self):
         """What runs: the model, device and dtype (and how the dtype was chosen), and the

@@ -14,6 +14,15 @@ from typing import Literal
 from engine import packing
 from engine.placement import MachineTopology, PlacementMode
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_token_slots(kv_cache_mib: int, values_per_token: int, dtype: str) -> int | None:
+    """How many tokens' keys and values fit in kv_cache_mib at dtype; None when unknown."""
+    if values_per_token <= 0:
+        return None
+    return kv_cache_mib * 2**20 // (values_per_token * DTYPE_BYTES.get(dtype, 4))
+
 Task = Literal["embed", "generate"]
 
 
@@ -93,6 +102,9 @@ class EngineConfig:
     dtype: str = "auto"
     """auto: embeddings measure bf16 against fp32 at start-up (engine.zygote); generation takes
     float32 on CPU, bf16 (or fp16) on CUDA. Or float32, bfloat16, float16 as named."""
+    kv_cache_mib: int = 1024
+    """Generation: memory each worker's KV cache may hold; sequences wait (and the youngest are
+    preempted) rather than pass it, and a request that could never fit is refused."""
     max_input_tokens: int | None = None
     """Longer inputs are rejected; None means the model's own limit."""
     pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS

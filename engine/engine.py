@@ -7,6 +7,7 @@ server, the benchmarks, the tests) use `embed`, `generate`, `apply`, `stats` and
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -22,7 +23,7 @@ import numpy as np
 
 from engine import messages as m
 from engine.batcher import Item
-from engine.config import EngineConfig, Knobs
+from engine.config import EngineConfig, Knobs, kv_token_slots
 from engine.core import EngineCore
 from engine.io_pool import IOPool
 from engine.jobs import EmbedJob, EngineClosed, GenerateJob, InputTooLong, TokenStream
@@ -74,6 +75,10 @@ class Engine:
         self.tokenizer = load_tokenizer(self.source.path)
         self.info = model_info(self.source.path, self.tokenizer)
         self._start_zygote(ready_timeout)
+        if self.config.task == "generate":
+            slots = kv_token_slots(self.config.kv_cache_mib, self.info.kv_values_per_token, self.dtype)
+            self.info = dataclasses.replace(self.info, kv_tokens=slots)
+            log.info("KV cache: %s token slots per worker (model.kv_cache_mib %d at %s)", slots, self.config.kv_cache_mib, self.dtype)
         self._pool = IOPool(self.knobs.io_threads)
         self._core = EngineCore(self.config, self.info, self._zygote_conn, self.device, self.knobs, self.latency)
         self._core_thread = threading.Thread(target=self._core.run, name="selftune-core", daemon=True)
@@ -233,6 +238,12 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > self.info.max_length:
             raise InputTooLong(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of {self.info.max_length}"
+            )
+        slots = self.info.kv_tokens
+        if slots is not None and len(prompt_ids) + params.max_tokens > slots:
+            raise InputTooLong(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than a worker has "
+                f"({slots} tokens: model.kv_cache_mib {self.config.kv_cache_mib})"
             )
         vocab = self.info.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):

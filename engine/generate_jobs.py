@@ -38,6 +38,7 @@ class GenerateJobs(TaskJobs):
 
     def on_result(self, handle: WorkerHandle, msg: m.Tokens) -> None:
         handle.busy_seconds += msg.model_seconds
+        handle.generation = msg.load
         now = time.monotonic()
         for seq_id, token_id, finish, logprobs in msg.outputs:
             job = self.jobs.get(seq_id)

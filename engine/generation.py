@@ -21,6 +21,13 @@ Layout of the running batch (why it looks like this):
   rows and trimming leading columns that are padding in every remaining row, so the cache
   never carries columns nobody needs.
 
+KV memory is bounded: the dense cache holds rows × columns token slots (padding included),
+and `kv_tokens` caps them. A sequence is admitted only when the batch it joins still has
+`KV_RESERVE` slots per row free; when a decode step would pass the cap, the youngest rows are
+preempted (dropped from the cache, put back at the head of the queue) and later re-prefilled
+over their prompt and the tokens they had made (recompute), so a stream never repeats or
+loses a token and memory never grows past the cap.
+
 Everything here is plain torch: no I/O, threads, clocks or sleeping. Not supported:
 sliding-window / linear-attention caches (all layers are treated as full attention, which
 stays correct for GPT-2- and Llama-style models) and models without a KV cache.
@@ -43,6 +50,8 @@ __all__ = ["GenerationRunner", "SamplingParams", "SequenceRequest", "TokenOutput
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+KV_RESERVE = 16
+"""Token slots per row an admission leaves free for the decode steps that follow it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +102,11 @@ class _Sequence:
         return len(self.output_ids)
 
     @property
+    def context_ids(self) -> tuple[int, ...]:
+        """What a (re-)prefill runs over: the prompt, and the tokens made before a preemption."""
+        return self.request.prompt_ids + tuple(self.output_ids)
+
+    @property
     def next_position(self) -> int:
         """Position id of `last_token`, i.e. the number of tokens already in the cache."""
         return len(self.request.prompt_ids) + self.num_generated - 1
@@ -117,8 +131,11 @@ class GenerationRunner:
     sequences, it only holds back admissions until enough of them have finished.
     """
 
-    def __init__(self, model, eos_token_ids: Iterable[int], max_running: int = 16):
+    def __init__(self, model, eos_token_ids: Iterable[int], max_running: int = 16, kv_tokens: int | None = None):
         self._model = model
+        self.kv_tokens = kv_tokens
+        """Cap on the cache's token slots (rows × columns); None: no cap."""
+        self.preemptions = 0
         param = next(model.parameters())
         self._device = param.device
         self._eos = frozenset(int(t) for t in eos_token_ids)
@@ -156,6 +173,11 @@ class GenerationRunner:
         return len(self._waiting)
 
     @property
+    def kv_tokens_used(self) -> int:
+        """Token slots the cache holds now: rows × columns, padding included."""
+        return 0 if self._mask is None else int(self._mask.shape[0] * self._mask.shape[1])
+
+    @property
     def has_work(self) -> bool:
         """True while a `step()` could produce output (something is running or waiting)."""
         return bool(self._rows or self._waiting)
@@ -172,6 +194,8 @@ class GenerationRunner:
                 f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.params.max_tokens}) exceeds "
                 f"the model's context of {self._max_positions} positions"
             )
+        if self.kv_tokens is not None and total > self.kv_tokens:
+            raise ValueError(f"prompt + max_tokens ({total}) exceeds the KV cache's {self.kv_tokens} token slots")
         self._waiting[request.seq_id] = _Sequence(request, self._make_generator(request.params), self._eos)
 
     def abort(self, seq_id: int) -> bool:
@@ -194,6 +218,7 @@ class GenerationRunner:
         """
         admitted = self._admit()
         new_outputs, new_cache, new_mask, new_rows = self._prefill(admitted) if admitted else ([], None, None, [])
+        self._preempt_to_fit()
         outputs = self._decode() if self._rows else []
         if new_rows:
             self._merge(new_cache, new_mask, new_rows)
@@ -213,13 +238,33 @@ class GenerationRunner:
         return gen
 
     def _admit(self) -> list[_Sequence]:
-        """Pop waiting sequences (FIFO) into the free slots of the running batch."""
+        """Pop waiting sequences (FIFO) into the free slots of the running batch, while the
+        batch they make still fits the KV cap with KV_RESERVE slots per row (the head of the
+        queue waits rather than be overtaken, so nothing starves)."""
         free = self._max_running - len(self._rows)
+        rows = len(self._rows)
+        columns = 0 if self._mask is None else self._mask.shape[1]
         admitted = []
         while free > 0 and self._waiting:
+            head = next(iter(self._waiting.values()))
+            wider = max(columns, len(head.context_ids))
+            if self.kv_tokens is not None and rows and (rows + 1) * (wider + KV_RESERVE) > self.kv_tokens:
+                break  # an empty batch always takes the head: add() checked it fits alone
             admitted.append(self._waiting.popitem(last=False)[1])
-            free -= 1
+            rows, columns, free = rows + 1, wider, free - 1
         return admitted
+
+    def _preempt_to_fit(self) -> None:
+        """Before a decode step adds a column: drop the youngest rows until the cache fits the
+        cap, and queue them first (they re-prefill over what they had made)."""
+        if self.kv_tokens is None:
+            return
+        while len(self._rows) > 1 and len(self._rows) * (self._mask.shape[1] + 1) > self.kv_tokens:
+            seq = self._rows[-1]
+            self._retire([len(self._rows) - 1])
+            self._waiting[seq.seq_id] = seq
+            self._waiting.move_to_end(seq.seq_id, last=False)
+            self.preemptions += 1
 
     def _prefill(self, seqs: list[_Sequence]):
         """Run the prompts of newly admitted sequences as one left-padded batch.
@@ -227,7 +272,7 @@ class GenerationRunner:
         Returns (outputs, cache, mask, surviving sequences): sequences that already finished
         on their first token are not part of the returned cache.
         """
-        prompts = [s.request.prompt_ids for s in seqs]
+        prompts = [s.context_ids for s in seqs]
         width = max(len(p) for p in prompts)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)

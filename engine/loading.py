@@ -39,6 +39,11 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     vocab_size: int
+    kv_values_per_token: int = 0
+    """Causal LMs: numbers one token adds to the KV cache (layers × 2 × kv heads × head dim); 0 unknown."""
+    kv_tokens: int | None = None
+    """Generation: token slots a worker's KV cache may hold (model.kv_cache_mib at the loaded
+    dtype), set once the dtype is known; None: no cap."""
 
 
 def resolve_device(device: str) -> str:
@@ -178,8 +183,20 @@ def model_info(path: str, tokenizer) -> ModelInfo:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     vocab = getattr(text_config, "vocab_size", None) or len(tokenizer)
     return ModelInfo(
-        hidden_size=int(hidden), max_length=int(max_length), eos_token_ids=eos, pad_token_id=int(pad), vocab_size=int(vocab)
+        hidden_size=int(hidden), max_length=int(max_length), eos_token_ids=eos, pad_token_id=int(pad), vocab_size=int(vocab),
+        kv_values_per_token=_kv_values_per_token(text_config, int(hidden)),
     )
+
+
+def _kv_values_per_token(config, hidden: int) -> int:
+    """layers × 2 (keys, values) × kv heads × head dim, from Llama- or GPT-2-style config names."""
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if not layers or not heads:
+        return 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return int(layers) * 2 * int(kv_heads) * int(head_dim)
 
 
 def _eos_ids(path, config, tokenizer, generation_config_cls) -> tuple[int, ...]:

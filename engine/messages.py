@@ -39,6 +39,8 @@ class WorkerSpec:
     """CPUs to pin to (empty: leave the affinity alone)."""
     numa_node: int | None = None
     """NUMA node to bind memory to, when all its CPUs sit on one."""
+    kv_tokens: int | None = None
+    """Generation: the cap on its KV cache's token slots (model.kv_cache_mib); None: no cap."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,11 +135,25 @@ class EmbedDone:
 
 
 @dataclass(frozen=True, slots=True)
+class GenerationLoad:
+    """A generation worker's state after a step: what /stats and /metrics show per worker."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_total: int = 0
+    """0: no cap."""
+    preemptions: int = 0
+    """Since the worker started."""
+
+
+@dataclass(frozen=True, slots=True)
 class Tokens:
     """Tokens produced by one decode step: (seq_id, token_id, finish_reason or None, logprobs or None)."""
 
     outputs: tuple[tuple[int, int, str | None, TokenLogprobs | None], ...]
     model_seconds: float
+    load: GenerationLoad = GenerationLoad()
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,13 @@ class WorkerStats:
     age_seconds: float
     cpus: str = ""
     """The CPUs it is pinned to (kernel cpulist form); empty when not pinned."""
+    running_sequences: int = 0
+    """Generation: sequences in its running batch, and below, waiting in it for room."""
+    waiting_sequences: int = 0
+    kv_tokens_used: int = 0
+    """Generation: token slots its KV cache holds (rows × columns), of kv_tokens_total (0: no cap)."""
+    kv_tokens_total: int = 0
+    preemptions: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,8 @@ class WorkerHandle:
     busy_seconds: float = 0.0
     batches_done: int = 0
     items_done: int = 0
+    generation: m.GenerationLoad = m.GenerationLoad()
+    """A generation worker's last reported state."""
 
 
 class WorkerSupervisor:
@@ -142,6 +144,7 @@ class WorkerSupervisor:
             vocab_size=self.info.vocab_size,
             cpus=handle.applied[2],
             numa_node=placement.node if placement is not None else None,
+            kv_tokens=self.info.kv_tokens if self.config.task == "generate" else None,
         )
         self.zygote.send(m.Fork(spec))
 
@@ -350,6 +353,11 @@ class WorkerSupervisor:
                     busy_seconds=h.busy_seconds,
                     age_seconds=now - h.forked_at,
                     cpus=format_cpulist(h.applied[2]),
+                    running_sequences=h.generation.running,
+                    waiting_sequences=h.generation.waiting,
+                    kv_tokens_used=h.generation.kv_tokens_used,
+                    kv_tokens_total=h.generation.kv_tokens_total,
+                    preemptions=h.generation.preemptions,
                 )
             )
         return tuple(out)

@@ -101,7 +101,7 @@ class GenerateWorker:
 
         self.spec = spec
         self.conn = conn
-        self.runner = GenerationRunner(model, spec.eos_token_ids, spec.max_batch_size)
+        self.runner = GenerationRunner(model, spec.eos_token_ids, spec.max_batch_size, spec.kv_tokens)
         self.live: set[int] = set()
 
     def serve(self) -> int:
@@ -157,7 +157,9 @@ class GenerateWorker:
                 self.live.discard(o.seq_id)
         if outputs:
             produced = tuple((o.seq_id, o.token_id, o.finish_reason, o.logprobs) for o in outputs)
-            self.conn.send(m.Tokens(produced, time.perf_counter() - started))
+            r = self.runner
+            load = m.GenerationLoad(r.num_running, r.num_waiting, r.kv_tokens_used, r.kv_tokens or 0, r.preemptions)
+            self.conn.send(m.Tokens(produced, time.perf_counter() - started, load))
 
     def _abort_all(self) -> tuple[int, ...]:
         ids = tuple(self.live)

@@ -42,6 +42,14 @@ def test_chat_answers_paris(client):
     assert response.usage.completion_tokens <= 24 and response.usage.prompt_tokens > 5
 
 
+def test_kv_cache_shows_in_stats_and_metrics(client, server):
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    (worker,) = httpx.get(server.url + "/stats").json()["workers"]
+    assert worker["kv_tokens_total"] > 0 and worker["preemptions"] == 0
+    metrics = httpx.get(server.url + "/metrics").text
+    assert f'selftune_worker_kv_cache_capacity_tokens{{worker="{worker["worker_id"]}"}} {float(worker["kv_tokens_total"])}' in metrics
+
+
 def test_chat_streamed_equals_chat_whole(client):
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
     chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True))
