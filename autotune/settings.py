@@ -44,6 +44,7 @@ class ModelSection(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_input_tokens: Annotated[int, Field(ge=1)] | None = None
     kv_cache_mib: Annotated[int, Field(ge=1, le=1_048_576)] = 1024
+    prefill_chunk_tokens: Annotated[int, Field(ge=0, le=1_048_576)] = 256
     pack_row_tokens: Annotated[int, Field(ge=0, le=65536)] = packing.DEFAULT_ROW_TOKENS
     served_names: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=16)] | None = None
 
@@ -173,7 +174,7 @@ class ServerConfig(Section):
         m = self.model
         return EngineConfig(
             model=m.name, task=m.task, device=m.device, dtype=m.dtype, max_input_tokens=m.max_input_tokens,
-            kv_cache_mib=m.kv_cache_mib, pack_row_tokens=m.pack_row_tokens, knobs=self.knobs(), bounds=self.bounds_obj(),
+            kv_cache_mib=m.kv_cache_mib, prefill_chunk_tokens=m.prefill_chunk_tokens, pack_row_tokens=m.pack_row_tokens, knobs=self.knobs(), bounds=self.bounds_obj(),
             restart_backoff=(self.supervision.restart_backoff_seconds, self.supervision.restart_backoff_max_seconds),
             placement=self.placement.mode,
             placement_cpus=tuple(tuple(cpus) for cpus in self.placement.cpus) if self.placement.cpus else None,

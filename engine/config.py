@@ -102,6 +102,9 @@ class EngineConfig:
     dtype: str = "auto"
     """auto: embeddings measure bf16 against fp32 at start-up (engine.zygote); generation takes
     float32 on CPU, bf16 (or fp16) on CUDA. Or float32, bfloat16, float16 as named."""
+    prefill_chunk_tokens: int = 256
+    """Generation: most prompt tokens one step prefills; longer prompts go in chunks while the
+    running sequences keep decoding (0: whole prompts at once)."""
     kv_cache_mib: int = 1024
     """Generation: memory each worker's KV cache may hold; sequences wait (and the youngest are
     preempted) rather than pass it, and a request that could never fit is refused."""

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from engine.logits import adjust_row, logprobs_of, sample_tokens
 from engine.sampling import SamplingParams, TokenLogprobs
 
 __all__ = ["GenerationRunner", "SamplingParams", "SequenceRequest", "TokenOutput"]
@@ -123,6 +124,15 @@ class _Sequence:
         return TokenOutput(self.seq_id, token, reason, logprobs)
 
 
+class _Partial:
+    """A prompt longer than prefill_chunk, prefilled a chunk per step on a cache of its own."""
+
+    __slots__ = ("seq", "cache", "done")
+
+    def __init__(self, seq: _Sequence, cache: DynamicCache):
+        self.seq, self.cache, self.done = seq, cache, 0
+
+
 class GenerationRunner:
     """Continuous-batching generation over one model; the worker calls `step()` in a loop.
 
@@ -131,10 +141,14 @@ class GenerationRunner:
     sequences, it only holds back admissions until enough of them have finished.
     """
 
-    def __init__(self, model, eos_token_ids: Iterable[int], max_running: int = 16, kv_tokens: int | None = None):
+    def __init__(self, model, eos_token_ids: Iterable[int], max_running: int = 16, kv_tokens: int | None = None,
+                 prefill_chunk: int | None = None):
         self._model = model
         self.kv_tokens = kv_tokens
         """Cap on the cache's token slots (rows × columns); None: no cap."""
+        self.prefill_chunk = prefill_chunk
+        """Most prompt tokens one step prefills; a longer prompt is prefilled over several steps
+        while the running rows keep decoding (None: whole prompts at once)."""
         self.preemptions = 0
         param = next(model.parameters())
         self._device = param.device
@@ -150,6 +164,7 @@ class GenerationRunner:
         self._rows: list[_Sequence] = []  # running sequences, in cache row order
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, columns] long, 1 = real token
+        self._partial: _Partial | None = None  # a long prompt part-way through its chunked prefill
 
     # ----------------------------------------------------------------- public API
 
@@ -166,7 +181,7 @@ class GenerationRunner:
 
     @property
     def num_running(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + (self._partial is not None)
 
     @property
     def num_waiting(self) -> int:
@@ -175,16 +190,18 @@ class GenerationRunner:
     @property
     def kv_tokens_used(self) -> int:
         """Token slots the cache holds now: rows × columns, padding included."""
-        return 0 if self._mask is None else int(self._mask.shape[0] * self._mask.shape[1])
+        partial = 0 if self._partial is None else self._partial.done
+        return partial + (0 if self._mask is None else int(self._mask.shape[0] * self._mask.shape[1]))
 
     @property
     def has_work(self) -> bool:
         """True while a `step()` could produce output (something is running or waiting)."""
-        return bool(self._rows or self._waiting)
+        return bool(self._rows or self._waiting or self._partial)
 
     def add(self, request: SequenceRequest) -> None:
         """Queue a sequence; it is prefilled when a `step()` finds a free slot (FIFO)."""
-        if request.seq_id in self._waiting or any(s.seq_id == request.seq_id for s in self._rows):
+        partial = self._partial.seq.seq_id if self._partial is not None else None
+        if request.seq_id in self._waiting or request.seq_id == partial or any(s.seq_id == request.seq_id for s in self._rows):
             raise ValueError(f"seq_id {request.seq_id} is already queued or running")
         if len(request.prompt_ids) == 0:
             raise ValueError("prompt_ids must not be empty")
@@ -202,6 +219,9 @@ class GenerationRunner:
         """Drop a waiting or running sequence; False if it is unknown (or already finished)."""
         if self._waiting.pop(seq_id, None) is not None:
             return True
+        if self._partial is not None and self._partial.seq.seq_id == seq_id:
+            self._partial = None
+            return True
         for row, seq in enumerate(self._rows):
             if seq.seq_id == seq_id:
                 self._retire([row])
@@ -216,9 +236,17 @@ class GenerationRunner:
         sequence's first token comes from its prefill, so it is not decoded again this step.
         Finished sequences are retired before returning.
         """
-        admitted = self._admit()
-        new_outputs, new_cache, new_mask, new_rows = self._prefill(admitted) if admitted else ([], None, None, [])
-        self._preempt_to_fit()
+        if self._partial is None:
+            admitted = self._admit()
+            if len(admitted) == 1 and self.prefill_chunk and len(admitted[0].context_ids) > self.prefill_chunk:
+                self._partial, admitted = _Partial(admitted[0], DynamicCache()), []
+        else:
+            admitted = []
+        if self._partial is not None:
+            new_outputs, new_cache, new_mask, new_rows = self._prefill_chunk()
+        else:
+            new_outputs, new_cache, new_mask, new_rows = self._prefill(admitted) if admitted else ([], None, None, [])
+        self._preempt_to_fit(len(new_rows), 0 if new_mask is None else new_mask.shape[1])
         outputs = self._decode() if self._rows else []
         if new_rows:
             self._merge(new_cache, new_mask, new_rows)
@@ -244,22 +272,45 @@ class GenerationRunner:
         free = self._max_running - len(self._rows)
         rows = len(self._rows)
         columns = 0 if self._mask is None else self._mask.shape[1]
-        admitted = []
+        admitted, tokens = [], 0
         while free > 0 and self._waiting:
             head = next(iter(self._waiting.values()))
             wider = max(columns, len(head.context_ids))
             if self.kv_tokens is not None and rows and (rows + 1) * (wider + KV_RESERVE) > self.kv_tokens:
                 break  # an empty batch always takes the head: add() checked it fits alone
+            tokens += len(head.context_ids)
+            if admitted and self.prefill_chunk and tokens > self.prefill_chunk:
+                break  # one step prefills at most prefill_chunk tokens (the first prompt may go on in chunks)
             admitted.append(self._waiting.popitem(last=False)[1])
             rows, columns, free = rows + 1, wider, free - 1
         return admitted
 
-    def _preempt_to_fit(self) -> None:
-        """Before a decode step adds a column: drop the youngest rows until the cache fits the
-        cap, and queue them first (they re-prefill over what they had made)."""
+    def _prefill_chunk(self):
+        """The next chunk of the partial prompt, on its own cache; when it is the last, the
+        sequence samples its first token and joins like a newly prefilled one."""
+        part = self._partial
+        context = part.seq.context_ids
+        end = min(len(context), part.done + self.prefill_chunk)
+        ids = torch.tensor([context[part.done:end]], dtype=torch.long, device=self._device)
+        mask = torch.ones((1, end), dtype=torch.long, device=self._device)
+        positions = torch.arange(part.done, end, dtype=torch.long, device=self._device)[None]
+        logits = self._forward(ids, mask, positions, part.cache)
+        part.done = end
+        if end < len(context):
+            return [], None, None, []
+        self._partial = None
+        (output,) = [part.seq.accept(*picked) for picked in self._sample(logits, [part.seq])]
+        if output.finish_reason is not None:
+            return [output], None, None, []
+        return [output], part.cache, mask, [part.seq]
+
+    def _preempt_to_fit(self, joining: int, joining_width: int) -> None:
+        """Before a decode step adds a column (and `joining` prefilled rows merge): drop the
+        youngest rows until the cache fits the cap, and queue them first (they re-prefill over
+        what they had made)."""
         if self.kv_tokens is None:
             return
-        while len(self._rows) > 1 and len(self._rows) * (self._mask.shape[1] + 1) > self.kv_tokens:
+        while self._rows and self._footprint_after_decode(joining, joining_width) > self.kv_tokens and (len(self._rows) > 1 or joining or self._partial):
             seq = self._rows[-1]
             self._retire([len(self._rows) - 1])
             self._waiting[seq.seq_id] = seq
@@ -301,6 +352,14 @@ class GenerationRunner:
         self._mask = torch.cat([_pad_left(self._mask, width), _pad_left(mask, width)], dim=0)
         self._rows.extend(seqs)
 
+    def _footprint_after_decode(self, joining: int, joining_width: int) -> int:
+        """Slots once this step's decode adds a column, the prefilled rows have merged, and a
+        partial prompt has joined in full."""
+        rows, columns = len(self._rows) + joining, max(self._mask.shape[1] + 1, joining_width)
+        if self._partial is not None:
+            rows, columns = rows + 1, max(columns, len(self._partial.seq.context_ids))
+        return rows * columns
+
     # ------------------------------------------------------------------- decoding
 
     def _decode(self) -> list[TokenOutput]:
@@ -340,83 +399,14 @@ class GenerationRunner:
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
         """Pick one token per row following that row's own sampling params."""
         params = [s.request.params for s in seqs]
-        logprobs = _logprobs_of(logits, params)  # of the model's own distribution, before any penalty
+        logprobs = logprobs_of(logits, params)  # of the model's own distribution, before any penalty
         for row, seq in enumerate(seqs):
-            _adjust(logits[row], seq)
+            adjust_row(logits[row], seq)
         tokens = sample_tokens(logits, params, [s.generator for s in seqs])
         return [(token, lp(token) if lp else None) for token, lp in zip(tokens, logprobs)]
 
 
 # ------------------------------------------------------------------------- helpers
-
-
-def _adjust(row: torch.Tensor, seq: _Sequence) -> None:
-    """Apply one sequence's penalties and min_tokens ban to its row of logits, in place."""
-    params = seq.request.params
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.request.prompt_ids) | set(seq.output_ids)), device=row.device)
-        values = row[seen]
-        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if seq.output_ids and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = torch.tensor(seq.output_ids, device=row.device).unique(return_counts=True)
-        row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
-    if params.logit_bias:
-        ids, biases = zip(*params.logit_bias)
-        row[torch.tensor(ids, device=row.device)] += torch.tensor(biases, device=row.device, dtype=row.dtype)
-    if seq.banned_early and seq.num_generated < params.min_tokens:
-        row[torch.tensor(sorted(seq.banned_early), device=row.device)] = -float("inf")
-
-
-def _logprobs_of(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list:
-    """Per row: None, or a function token -> TokenLogprobs over the row's raw log-softmax."""
-    wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
-    found: list = [None] * len(params)
-    if not wanted:
-        return found
-    table = torch.log_softmax(logits.index_select(0, torch.tensor(wanted, device=logits.device)), dim=-1)
-    for i, row in enumerate(wanted):
-        k = params[row].logprobs
-        top = table[i].topk(k) if k else None
-        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-        found[row] = lambda token, lsm=table[i], alt=alternatives: TokenLogprobs(float(lsm[token]), alt)
-    return found
-
-
-def sample_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> list[int]:
-    """Greedy rows take the argmax; the others sample from temperature-scaled, top-k- and
-    top-p-filtered probabilities with their own generator (one multinomial per row, because a
-    generator belongs to one sequence)."""
-    tokens = logits.argmax(dim=-1)
-    sampled = [row for row, p in enumerate(params) if not p.greedy]
-    if sampled:
-        index = torch.tensor(sampled, device=logits.device)
-        temps = torch.tensor([params[r].temperature for r in sampled], device=logits.device, dtype=logits.dtype)
-        probs = torch.softmax(logits.index_select(0, index) / temps[:, None], dim=-1)
-        for i, row in enumerate(sampled):
-            k = params[row].top_k
-            if 0 < k < probs.shape[-1]:
-                kth = probs[i].topk(k).values[-1]
-                probs[i] = probs[i].masked_fill(probs[i] < kth, 0.0)
-        top_p = [params[r].top_p for r in sampled]
-        if any(p < 1.0 for p in top_p):
-            probs = _top_p_filter(probs, torch.tensor(top_p, device=logits.device, dtype=probs.dtype))
-        for i, row in enumerate(sampled):
-            tokens[row] = torch.multinomial(probs[i], 1, generator=generators[row])[0]
-    return tokens.tolist()
-
-
-def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero every token outside each row's nucleus; the most likely token always survives.
-
-    Rows with top_p == 1 are left untouched (rounding in the cumulative sum could otherwise
-    drop their least likely tokens)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
 def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -41,6 +41,8 @@ class WorkerSpec:
     """NUMA node to bind memory to, when all its CPUs sit on one."""
     kv_tokens: int | None = None
     """Generation: the cap on its KV cache's token slots (model.kv_cache_mib); None: no cap."""
+    prefill_chunk: int = 0
+    """Generation: most prompt tokens one step prefills (0: whole prompts)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,6 +145,7 @@ class WorkerSupervisor:
             cpus=handle.applied[2],
             numa_node=placement.node if placement is not None else None,
             kv_tokens=self.info.kv_tokens if self.config.task == "generate" else None,
+            prefill_chunk=self.config.prefill_chunk_tokens,
         )
         self.zygote.send(m.Fork(spec))
 

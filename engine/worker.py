@@ -101,7 +101,7 @@ class GenerateWorker:
 
         self.spec = spec
         self.conn = conn
-        self.runner = GenerationRunner(model, spec.eos_token_ids, spec.max_batch_size, spec.kv_tokens)
+        self.runner = GenerationRunner(model, spec.eos_token_ids, spec.max_batch_size, spec.kv_tokens, spec.prefill_chunk or None)
         self.live: set[int] = set()
 
     def serve(self) -> int:

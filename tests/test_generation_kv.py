@@ -1,5 +1,6 @@
-"""The KV cap: a generation worker's cache never holds more token slots than it may, sequences
-wait or are preempted (and recomputed) instead, and no stream changes a token for it."""
+"""The KV cap and chunked prefill: a generation worker's cache never holds more token slots than
+it may (sequences wait or are preempted and recomputed instead), a long prompt is prefilled a
+chunk per step while the running rows keep decoding, and no stream changes a token for either."""
 
 from __future__ import annotations
 
@@ -30,6 +31,31 @@ def test_a_small_cache_preempts_and_recomputes_without_changing_a_token(model):
     for seq_id, prompt in PROMPTS.items():
         assert tokens(got[seq_id]) == reference(model, prompt, MAX_TOKENS), seq_id
     assert runner.preemptions > 0 and max(peak) > cap // 2  # the cap was what held it back
+
+
+@pytest.mark.parametrize("cap", [None, 64])
+def test_chunked_prefill_gives_the_same_tokens(model, cap):
+    runner = GenerationRunner(model, [EOS], max_running=6, kv_tokens=cap, prefill_chunk=4)
+    got = drain(runner, {0: [SequenceRequest(i, p, greedy(MAX_TOKENS)) for i, p in PROMPTS.items()]},
+                check=lambda step, r, outs: cap is None or r.kv_tokens_used <= cap)
+    for seq_id, prompt in PROMPTS.items():
+        assert tokens(got[seq_id]) == reference(model, prompt, MAX_TOKENS), seq_id
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_long_prompt_does_not_stall_the_running_decodes(gpt2, chunk):
+    runner = GenerationRunner(gpt2, [EOS], max_running=4, prefill_chunk=chunk)
+    runner.add(SequenceRequest(1, (5, 6), greedy(40)))
+    runner.step()  # 1 is running
+    runner.add(SequenceRequest(2, tuple(range(100, 140)), greedy(4)))
+    steps = 0
+    while True:
+        steps += 1
+        produced = {o.seq_id for o in runner.step()}
+        assert 1 in produced  # the running sequence makes a token every step
+        if 2 in produced:
+            break
+    assert steps == (1 if chunk is None else 40 // chunk)  # chunked: one step per 4 prompt tokens
 
 
 def test_without_a_cap_nothing_is_preempted(gpt2):
