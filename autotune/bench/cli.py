@@ -5,6 +5,7 @@
     selftune bench --modes autotuned,static:process_count=2,max_batch_size=64
     selftune bench --workload "onoff:on_rate=150,off_rate=5,on_seconds=30,off_seconds=60,duration=270,length=16-64"
     selftune bench --url http://127.0.0.1:8000      # the capacity of a server already running
+    selftune bench --task generate --quick          # streamed text generation (autotune/bench/gen_cli.py)
 
 Progress goes to stderr; the table to stdout (and with --out to bench.md, bench.json, the
 plots and requests.csv with every request); with --json the last stdout line is the JSON.
@@ -44,7 +45,8 @@ def register(subparsers) -> None:
     b.add_argument("--workload", help="replay this workload spec (autotune/bench/workloads.py) against every mode instead of the rate ladder")
     b.add_argument("--grid", help="static knob grid, e.g. 'process_count=1,2;threads_per_process=1,2;max_batch_size=4,16,64': "
                    "the oracle's sweep (capacity) or, with --workload, one replay per combination (the oracle is the best)")
-    b.add_argument("--model", default="builtin:minilm")
+    b.add_argument("--task", choices=("embed", "generate"), default="embed", help="embeddings (the default) or streamed text generation")
+    b.add_argument("--model", help="default: builtin:minilm (embed), builtin:smollm2 (generate)")
     b.add_argument("--policy", help="policy file for the autotuned modes (default: configs/policies/default.yaml)")
     b.add_argument("--words", default="8-48", help="MIN-MAX: words per input text of the rate ladder and the limit (uniform)")
     b.add_argument("--slo", type=float, default=0.5, help="p99 latency objective, seconds")
@@ -55,10 +57,28 @@ def register(subparsers) -> None:
     b.add_argument("--no-generator-check", action="store_true", help="skip the load generator's own capacity check")
     b.add_argument("--out", help="directory for bench.md, bench.json, the PNG plots and requests.csv")
     b.add_argument("--json", action="store_true")
+    b.add_argument("--step-seconds", type=float, help="length of one rate step (default: embed 6 quick / 12, generate 15 quick / 30)")
+    g = b.add_argument_group("generate", "with --task generate")
+    g.add_argument("--ttft-slo", type=float, default=2.0, help="time-to-first-token p99 objective, seconds")
+    g.add_argument("--itl-slo", type=float, default=0.25, help="inter-token latency p99 objective, seconds")
+    g.add_argument("--max-output-tokens", type=int, help="output lengths clipped to this (default 64 quick / 128)")
+    g.add_argument("--max-prompt-tokens", type=int, help="prompt lengths clipped to this and to the model's context (default 256 quick / 512)")
+    g.add_argument("--trace", default="tests/fixtures/traces/azure_llm_conv_2023_first120s.csv",
+                   help="CSV with ContextTokens and GeneratedTokens columns: the prompt and output lengths drawn")
+    g.add_argument("--api", choices=("completions", "chat"), default="completions", help="POST /v1/completions (exact prompt lengths) or /v1/chat/completions")
     b.set_defaults(run=run_bench)
 
 
 def run_bench(args) -> int:
+    if args.task == "generate":
+        from autotune.bench.gen_cli import run_generate_bench
+
+        return run_generate_bench(args)
+    args.model = args.model or "builtin:minilm"
+    return run_embed_bench(args)
+
+
+def run_embed_bench(args) -> int:
     started = time.monotonic()
 
     def say(msg: str) -> None:
@@ -138,7 +158,7 @@ def _capacity_plan(args, limit: dict | None) -> CapacityPlan:
     start = args.start_rate or (0.35 * limit["sentences_per_second"] if limit else 20.0)
     return CapacityPlan(
         ladder=LadderConfig(start=start, factor=1.4 if args.quick else 1.25, refine=1 if args.quick else 2),
-        step_seconds=6.0 if args.quick else 12.0,
+        step_seconds=args.step_seconds or (6.0 if args.quick else 12.0),
         min_judged=100 if args.quick else 200,
         settle=1 / 3,
         warmup_seconds=4.0 if args.quick else 8.0,

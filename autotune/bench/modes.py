@@ -36,10 +36,10 @@ class Mode:
     allow_oversubscription: bool = False
     description: str = ""
 
-    def server_config(self, model: str, policy: str | None = None) -> dict:
-        """The `selftune serve` config for this mode."""
+    def server_config(self, model: str, policy: str | None = None, task: str = "embed") -> dict:
+        """The `selftune serve` config for this mode (`task` generate: max_batch_size is running sequences per worker)."""
         config = {
-            "model": {"name": model},
+            "model": {"name": model, "task": task},
             "concurrency": dataclasses.asdict(self.knobs),
             "server": {"log_level": "warning"},
             "autotune": {"enabled": self.autotune, "allow_oversubscription": self.allow_oversubscription},
@@ -105,6 +105,15 @@ def oracle_candidates(cores: int, quick: bool) -> list[Knobs]:
         for b in batches
         for w in timeouts
     ]
+
+
+def generation_candidates(cores: int, quick: bool) -> list[Knobs]:
+    """The oracle's static grid for generation: the two layouts that fill the cores × running
+    sequences per worker (max_batch_size; the batch timeout does not apply to decode steps)."""
+    n = max(1, cores)
+    layouts = {(n, 1, 0), (1, n, 2)}
+    batches = (8, 32) if quick else (8, 16, 32, 64)
+    return [SHIPPED.replace(process_count=p, threads_per_process=t, io_threads=io, max_batch_size=b) for p, t, io in sorted(layouts) for b in batches]
 
 
 def parse_grid(text: str, cores: int, base: Knobs = SHIPPED) -> list[Knobs]:

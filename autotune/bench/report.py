@@ -98,9 +98,10 @@ def plot_mode_timeline(result: ModeResult, log: RunLog, slo: float, path: str) -
     timeline(arrival, done, ok, knob_changes(result.timeline), slo, path, "seconds since the first request", bins=200)
 
 
-def write_mode_report(result: ModeResult, log: RunLog, slo: float, model: str, path: str) -> None:
+def write_mode_report(result: ModeResult, log: RunLog, slo: float, model: str, path: str, task: str = "embed") -> None:
     """One mode's run as the dashboard page (one HTML file). The knob changes come from the
-    /stats polls, so they are marked without the policy's words."""
+    /stats polls, so they are marked without the policy's words. (Generation: the log's
+    request times are TTFTs, `slo` the TTFT objective.)"""
     from autotune.history import write_report
 
     if not log.requests or not result.timeline:
@@ -110,6 +111,6 @@ def write_mode_report(result: ModeResult, log: RunLog, slo: float, model: str, p
     decisions = [{"at": t, "outcome": "applied", "reason": "the knobs changed (seen in /stats; the server's GET /admin/decisions has the policy's reason)",
                   "old": old.as_dict(), "new": new.as_dict()} for (_, old), (t, new) in zip(changes, changes[1:])]
     end = float(max(np.nanmax(done), arrival.max()))
-    info = {"title": f"selftune bench: {result.mode}", "model": model, "task": "embed", "slo_seconds": slo,
+    info = {"title": f"selftune bench: {result.mode}", "model": model, "task": task, "slo_seconds": slo,
             "autotune": result.mode.startswith("autotuned"), "policy": result.mode}
     write_report(path, info, arrival, done, ok, changes, end, decisions)

@@ -140,8 +140,8 @@ def wait_idle(url: str, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def start_server(mode: Mode, model: str, workdir: str, policy: str | None = None) -> ServerProcess:
-    return ServerProcess(workdir, mode.server_config(model, policy), env={"SELFTUNE_ADMIN_TOKEN": ADMIN_TOKEN})
+def start_server(mode: Mode, model: str, workdir: str, policy: str | None = None, task: str = "embed") -> ServerProcess:
+    return ServerProcess(workdir, mode.server_config(model, policy, task), env={"SELFTUNE_ADMIN_TOKEN": ADMIN_TOKEN})
 
 
 def capacity(url: str, cpu_seconds: Callable[[], float] | None, log: RunLog, plan: CapacityPlan, texts: list[str], label: str, say: Say, writer=None) -> tuple[float, list[StepResult]]:
@@ -309,12 +309,12 @@ def wait_ready_workers(url: str, count: int, timeout: float = 120.0) -> None:
     raise RuntimeError(f"{count} workers not ready after {timeout:g} s")
 
 
-def new_request_log(path: str):
+def new_request_log(path: str, columns: list[str] = REQUEST_COLUMNS):
     """A CSV of every request of the run (its file and writer)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     f = open(path, "w", newline="")
     writer = csv.writer(f)
-    writer.writerow(REQUEST_COLUMNS)
+    writer.writerow(columns)
     return f, writer
 
 

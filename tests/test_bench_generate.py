@@ -1,0 +1,178 @@
+"""`selftune bench --task generate`: the judge (pure), the requests, the streaming load generator
+against a real server on the tiny causal LM, the in-process limit, and the command end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from autotune.bench import gen_inputs, stream_loadgen
+from autotune.bench.gen_capacity import judge_generation
+from autotune.bench.gen_report import generation_table, generation_verdicts
+from autotune.bench.modes import mode
+from autotune.bench.runner import ModeResult
+from autotune.bench.server import ServerProcess
+from autotune.bench.stream_loadgen import StreamResult
+
+
+def stream(sent_at: float, ttft: float = 0.1, gap: float = 0.05, tokens: int = 8, status: int = 200, **kw) -> StreamResult:
+    """A finished stream: first token at `ttft`, then one every `gap` seconds."""
+    times = tuple(ttft + gap * k for k in range(tokens)) if status == 200 else ()
+    latency = times[-1] if times else math.nan
+    return StreamResult(sent_at, status, times, latency, output_tokens=len(times), **kw)
+
+
+def test_judge_passes_only_with_both_p99s_within_and_nothing_failed():
+    fine = [stream(t / 10) for t in range(100)]
+    step = judge_generation(fine, 10, 0.0, 10, ttft_slo=2.0, itl_slo=0.25)
+    assert step.passed and step.failed == 0 and step.judged == 100 and step.completed == 100
+    assert step.ttft_p99 == pytest.approx(0.1) and step.itl_p99 == pytest.approx(0.05)
+    assert step.e2e_p99 == pytest.approx(0.1 + 7 * 0.05) and step.goodput == pytest.approx(10.0)
+    refused = fine[:99] + [stream(9.9, status=429)]  # one 429 of 100: the step fails
+    assert not judge_generation(refused, 10, 0.0, 10, 2.0, 0.25).passed
+    assert judge_generation(refused, 10, 0.0, 10, 2.0, 0.25).statuses == {"200": 99, "429": 1}
+    slow_first = [stream(t / 10, ttft=2.5 if t % 10 == 0 else 0.1) for t in range(100)]
+    assert not judge_generation(slow_first, 10, 0.0, 10, 2.0, 0.25).passed  # 10 % over the TTFT objective
+    stalls = [stream(t / 10, gap=0.3 if t % 2 else 0.05) for t in range(100)]
+    step = judge_generation(stalls, 10, 0.0, 10, 2.0, 0.25)
+    assert not step.passed and step.itl_p99 == pytest.approx(0.3) and step.goodput == pytest.approx(5.0)
+    error_event = fine[:99] + [StreamResult(9.9, 200, (0.1,), error="the request did not finish")]
+    assert judge_generation(error_event, 10, 0.0, 10, 2.0, 0.25).failed == 1
+
+
+def test_judge_skips_the_settling_part_and_counts_tokens_in_the_window():
+    results = [stream(t / 10, ttft=3.0 if t < 30 else 0.1) for t in range(100)]
+    assert not judge_generation(results, 10, 0.0, 10, 2.0, 0.25).passed
+    step = judge_generation(results, 10, 3.0, 10, 2.0, 0.25)
+    assert step.passed and step.judged == 70
+    # tokens that arrived in [3, 10] s, the settling part's requests' included, per second
+    arrived = sum(1 for r in results for t in r.token_times if 3.0 <= r.sent_at + t <= 10)
+    assert step.output_tokens_per_s == pytest.approx(arrived / 7)
+
+
+def test_judge_takes_cut_streams_for_what_they_showed():
+    waiting = StreamResult(9.0, 0, (), cut_at=3.0)  # no answer yet when cut: TTFT at least 3 s
+    stalled = StreamResult(9.0, 200, (0.1, 0.15), cut_at=1.0)  # its open gap (0.85 s) passed the ITL objective
+    short = StreamResult(9.5, 200, (0.1, 0.15), cut_at=0.2)  # its open gap (0.05 s) tells nothing yet
+    fine = [stream(t / 10) for t in range(90)]
+    assert waiting.ok and waiting.ttft == 3.0 and not waiting.completed
+    step = judge_generation(fine + [waiting] * 2, 10, 0.0, 10, 2.0, 0.25)  # 2 of 92: past the p99
+    assert step.cut == 2 and step.failed == 0 and step.ttft_p99 == pytest.approx(3.0) and not step.passed
+    assert judge_generation(fine + [short], 10, 0.0, 10, 2.0, 0.25).passed
+    gaps = judge_generation(fine + [stalled] * 10, 10, 0.0, 10, 2.0, 0.25)  # 10 of 650 gaps
+    assert not gaps.passed and gaps.itl_p99 > 0.25
+
+
+def test_lengths_come_from_the_trace_clipped_and_prompts_tokenize_to_them(tiny_causal_lm):
+    from engine.loading import load_tokenizer
+
+    table = gen_inputs.read_lengths(gen_inputs.DEFAULT_TRACE)
+    pairs = gen_inputs.draw_lengths(table, 64, seed=3, max_prompt=120, max_output=16, min_prompt=3)
+    assert pairs == gen_inputs.draw_lengths(table, 64, seed=3, max_prompt=120, max_output=16, min_prompt=3)
+    assert pairs != gen_inputs.draw_lengths(table, 64, seed=4, max_prompt=120, max_output=16, min_prompt=3)
+    assert all(3 <= p <= 120 and 1 <= o <= 16 for p, o in pairs) and max(p for p, _ in pairs) == 120
+    builder = gen_inputs.PromptBuilder(load_tokenizer(tiny_causal_lm))
+    assert builder.specials == 2  # the tiny model borrows MiniLM's tokenizer: [CLS] ... [SEP]
+    assert all(builder.count(builder.text(p, seed=i)) == p for i, (p, _) in enumerate(pairs))
+    body = json.loads(gen_inputs.bodies(builder, pairs[:1], "m", "completions", seed=0)[0])
+    assert body["max_tokens"] == pairs[0][1] and body["stream"] and body["ignore_eos"] and body["temperature"] == 0
+    assert "messages" in json.loads(gen_inputs.bodies(builder, pairs[:1], "m", "chat", seed=0)[0])
+
+
+def test_generation_modes_ask_the_server_to_generate():
+    config = mode("multiprocess", 2).server_config("builtin:smollm2", task="generate")
+    assert config["model"] == {"name": "builtin:smollm2", "task": "generate"}
+    assert mode("multiprocess", 2).server_config("builtin:minilm")["model"]["task"] == "embed"
+
+
+def test_streaming_load_generator_against_a_real_generating_server(tmp_path, tiny_causal_lm):
+    from engine.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_causal_lm)
+    builder = gen_inputs.PromptBuilder(tokenizer)
+    word = tokenizer.convert_tokens_to_ids("city")  # biased to always win: every token is a chunk of text
+    prompt = builder.text(20, seed=1)
+    body = json.dumps({"model": tiny_causal_lm, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}, "logit_bias": {str(word): 100}}).encode()
+    config = {"model": {"name": tiny_causal_lm, "task": "generate"}, "concurrency": {"process_count": 1, "max_batch_size": 4},
+              "autotune": {"enabled": False}}
+    server = ServerProcess(tmp_path, config)
+    try:
+        burst = stream_loadgen.run(server.url, [0.0] * 12 + [0.5 + k / 20 for k in range(10)], body)  # 12 at once, then 20/s
+        cut = stream_loadgen.run(server.url, [0.0] * 6, json.dumps({**json.loads(body), "max_tokens": 200}).encode(), cut_after=0.3)
+        refused = stream_loadgen.run(server.url, [0.0], json.dumps({**json.loads(body), "model": "gpt-nothing"}).encode())
+    finally:
+        server.stop()
+    assert all(r.completed and r.status == 200 and not r.error for r in burst)
+    for r in burst:
+        assert r.output_tokens == 12 and len(r.token_times) == 12 and len(r.itls()) == 11  # ITLs: tokens − 1
+        assert r.prompt_tokens == 20  # the builder's prompt, as the server counted it
+        assert 0 < r.ttft <= r.latency and r.token_times[-1] <= r.latency and np.all(r.itls() >= 0)
+        assert r.lag < 0.2
+    # from the scheduled time: 12 sent together, 4 running at a time, so the last ones waited for the first ones
+    assert max(r.ttft for r in burst[:12]) > min(r.latency for r in burst[:12])
+    assert all(r.ok and not r.completed and r.cut_at >= 0.29 for r in cut) and math.isnan(cut[0].latency)
+    assert refused[0].status == 404 and not refused[0].ok
+
+
+def test_generation_limit_on_the_tiny_model(tiny_causal_lm):
+    from autotune.bench.gen_limit import measure_generation_limit
+
+    lines = []
+    limit = measure_generation_limit(tiny_causal_lm, cores=2, prompt_tokens=16, batch_sizes=(1, 4), duration=0.2, say=lines.append)
+    # both layouts that fill the cores; 2 × 1 splits the sequences, so its smallest batch is 2 × 1
+    assert set(limit["table"]["1x2"]) == {1, 4} and set(limit["table"]["2x1"]) == {2, 4} and limit["prompt_tokens"] == 16
+    cells = [v for row in limit["table"].values() for v in row.values()]
+    assert all(v > 0 for v in cells) and limit["tokens_per_second"] == max(cells)
+    assert limit["table"][f"{limit['processes']}x{limit['threads']}"][limit["batch_size"]] == limit["tokens_per_second"]
+    assert all(v > 0 for row in limit["prefill_tokens_per_second"].values() for v in row.values())
+    assert lines[0].startswith("limit 1x2, prompts of 16 tokens: B=1:") and lines[1].startswith("limit 2x1")
+
+
+def test_table_and_verdicts_set_the_best_mode_against_the_limit_at_its_batch():
+    limit = {"tokens_per_second": 200.0, "batch_size": 32, "processes": 1, "threads": 2, "prompt_tokens": 64,
+             "table": {"1x2": {1: 20.0, 8: 80.0, 32: 200.0}, "2x1": {2: 30.0, 8: 60.0, 32: 150.0}}}
+    at = {"output_tokens_per_s": 60.0, "running": 8.0, "goodput": 1.0, "ttft_p50": 0.2, "ttft_p99": 1.5, "itl_p50": 0.1, "itl_p99": 0.2,
+          "e2e_mean": 3.0, "e2e_p99": 5.0, "cpu_cores": 1.9}
+    tuned = ModeResult("autotuned", "", {}, {}, max_qps=1.0, at_max=at)
+    fixed = ModeResult("multiprocess", "", {}, {}, max_qps=0.8, at_max={**at, "output_tokens_per_s": 50.0})
+    lines = generation_verdicts([fixed, tuned], limit)
+    assert lines[0].startswith("best served mode autotuned: 60.0 output tokens/s at 1.00 req/s = 0.30 × the limit")
+    assert "the in-process decode limit is 80.0 tok/s: 0.75 × that" in lines[1]
+    assert lines[-1] == "autotuned ahead of: multiprocess"
+    table = generation_table([fixed, tuned], limit, 2.0, 0.25)
+    assert "| autotuned |  | **1.00** | 60.0 | 1.00 | 200 / 1500 | 100 / 200 |" in table
+    assert "| limit | in-process decode, no server: 1 × 2, fp32, prompts of 64 tokens (B=1: 20, B=8: 80, B=32: 200 tok/s) |" in table
+
+
+def run_bench(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "autotune.cli", "bench", "--task", "generate", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_generate_rejects_bad_flags():
+    for flags, why in ((("--ttft-slo", "0"),), "--ttft-slo: 0.0 must be a positive number"), \
+                      ((("--max-output-tokens", "-3"),), "--max-output-tokens: -3 must be a positive number"), \
+                      ((("--workload", "poisson:rate=1,duration=5"),), "--workload is not supported with --task generate"), \
+                      ((("--trace", "nowhere.csv"),), "--trace: 'nowhere.csv' not found"), \
+                      ((("--modes", "multiprocess,turbo"),), "unknown mode 'turbo'"):
+        done = run_bench(*flags[0], timeout=60)
+        assert done.returncode == 2 and why in done.stderr, done.stderr
+
+
+def test_bench_generate_quick_end_to_end(tmp_path, tiny_causal_lm):
+    out = tmp_path / "out"
+    done = run_bench("--quick", "--modes", "multiprocess", "--no-generator-check", "--model", tiny_causal_lm, "--json",
+                     "--step-seconds", "3", "--max-output-tokens", "12", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    (m,) = summary["modes"]
+    assert m["mode"] == "multiprocess" and m["max_qps"] > 0 and m["steps"] and summary["task"] == "generate"
+    assert m["at_max"]["passed"] and m["at_max"]["ttft_p99"] <= 2.0 and m["at_max"]["itl_p99"] <= 0.25 and m["at_max"]["output_tokens_per_s"] > 0
+    assert summary["limit"]["tokens_per_second"] > 0 and summary["requests"]["max_output_tokens"] == 12
+    assert {"bench.md", "bench.json", "generation-curves.png", "requests.csv"} <= {p.name for p in out.iterdir()}
+    assert "| multiprocess |" in done.stdout and "| limit |" in done.stdout
