@@ -19,7 +19,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -87,15 +87,21 @@ def run(
     At most `connections` requests are on the wire at once (a request beyond that waits for a
     connection, and its latency includes the wait).
     """
+    return drive(lambda started: _send_all(url.rstrip("/") + path, arrivals, body, connections, timeout, started), on_tick, tick_seconds)
+
+
+def drive(send: Callable[[float], Awaitable[list]], on_tick: Callable[[float], None] | None, tick_seconds: float, name: str = "loadgen-tick") -> list:
+    """Run `send(started)` on a fresh event loop, with `on_tick(elapsed)` every `tick_seconds`
+    on a thread of its own meanwhile (the plain and the streaming generator both run this way)."""
     freeze_startup_heap()  # a full collection of the caller's imports would delay arrivals by tens of ms
     stop = threading.Event()
     started = time.monotonic()
     ticker = None
     if on_tick is not None:
-        ticker = threading.Thread(target=_tick, args=(on_tick, started, tick_seconds, stop), name="loadgen-tick", daemon=True)
+        ticker = threading.Thread(target=_tick, args=(on_tick, started, tick_seconds, stop), name=name, daemon=True)
         ticker.start()
     try:
-        return asyncio.run(_send_all(url.rstrip("/") + path, arrivals, body, connections, timeout, started))
+        return asyncio.run(send(started))
     finally:
         stop.set()
         if ticker is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,8 +21,7 @@ from typing import Callable
 import aiohttp
 import numpy as np
 
-from autotune.bench.loadgen import CONNECTIONS, Body, _tick
-from engine.heap import freeze_startup_heap
+from autotune.bench.loadgen import CONNECTIONS, Body, drive
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,19 +106,8 @@ def run(
 ) -> list[StreamResult]:
     """Send request i at `arrivals[i]` seconds after the start and read its stream; streams
     still open `cut_after` seconds after the start are closed. One StreamResult per request, in order."""
-    freeze_startup_heap()  # a full collection of the caller's imports would delay arrivals by tens of ms
-    stop = threading.Event()
-    started = time.monotonic()
-    ticker = None
-    if on_tick is not None:
-        ticker = threading.Thread(target=_tick, args=(on_tick, started, tick_seconds, stop), name="stream-loadgen-tick", daemon=True)
-        ticker.start()
-    try:
-        return asyncio.run(_send_all(url.rstrip("/") + path, arrivals, body, cut_after, timeout, started))
-    finally:
-        stop.set()
-        if ticker is not None:
-            ticker.join()
+    send = lambda started: _send_all(url.rstrip("/") + path, arrivals, body, cut_after, timeout, started)  # noqa: E731
+    return drive(send, on_tick, tick_seconds, name="stream-loadgen-tick")
 
 
 async def _send_all(url: str, arrivals: list[float], body: Body, cut_after: float | None, timeout: float, started: float) -> list[StreamResult]:
