@@ -50,6 +50,8 @@ def add_config_options(parser) -> None:
     parser.add_argument("--workers", type=int, help="worker processes (concurrency.process_count)")
     parser.add_argument("--policy", help="autotuning policy file, or builtin:NAME (autotune.policy)")
     parser.add_argument("--no-autotune", action="store_true", help="keep the configured knobs; no controller")
+    parser.add_argument("--ray", metavar="auto|local:N", help="serve as replicas on a Ray cluster: auto joins the one at RAY_ADDRESS, "
+                        "local:N starts a test cluster of N nodes here, sharing its CPUs out (needs the `ray` extra)")
 
 
 def config_overrides(args) -> dict:
@@ -90,6 +92,10 @@ def run_serve(args) -> int:
         print(f"selftune: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "ray", None):
+        from autotune.cluster.launch import serve_on_ray
+
+        return serve_on_ray(config, args.ray)
     from autotune.server import serve
 
     return serve(config)

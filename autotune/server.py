@@ -87,28 +87,43 @@ def build_controller(engine: Engine, config: ServerConfig, state) -> Controller:
     return controller
 
 
-def serve(config: ServerConfig) -> int:
+class StartupError(RuntimeError):
+    """The server cannot start; the message says why, `code` is the exit status."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def start_engine(config: ServerConfig) -> tuple[Engine, GpuMonitor]:
+    """A started engine for the config (policy file checked first), or StartupError."""
     if config.autotune.enabled:
         try:
             load_policy(config.autotune.policy_path())  # a bad policy file stops us before anything starts
         except PolicyError as exc:
-            print(f"selftune: {exc}", file=sys.stderr)
-            return 2
+            raise StartupError(str(exc), 2) from None
     try:
         gpu = GpuMonitor()  # one NVML session for the placement plan and the sampler
         engine_config = dataclasses.replace(config.engine_config(), topology=machine_topology(read_topology(), gpu.sample(time.monotonic()).devices))
         if engine_config.placement == "explicit":
             validate_explicit(engine_config.topology, engine_config.placement_cpus, engine_config.knobs.process_count)
     except PlacementError as exc:
-        print(f"selftune: placement.cpus: {exc}", file=sys.stderr)
-        return 2
+        raise StartupError(f"placement.cpus: {exc}", 2) from None
     engine = Engine(engine_config)
     try:
         engine.start()
     except Exception as exc:
-        print(f"selftune: could not start the engine: {exc}", file=sys.stderr)
         engine.shutdown(grace=0)
-        return 1
+        raise StartupError(f"could not start the engine: {exc}", 1) from None
+    return engine, gpu
+
+
+def serve(config: ServerConfig) -> int:
+    try:
+        engine, gpu = start_engine(config)
+    except StartupError as exc:
+        print(f"selftune: {exc}", file=sys.stderr)
+        return exc.code
     app, telemetry, controller = build_app(engine, config, gpu)
     telemetry.start()
     freeze_startup_heap()

@@ -132,6 +132,33 @@ class AutotuneSection(Section):
         return shipped.resolve(self.policy, shipped.POLICY)
 
 
+class ClusterSection(Section):
+    """`selftune serve --ray`: replicas of the whole server on a Ray cluster."""
+
+    min_replicas: Annotated[int, Field(ge=1, le=10_000)] = 1
+    max_replicas: Annotated[int, Field(ge=1, le=10_000)] = 4
+    policy: str = "builtin:replicas"
+    """Cluster policy file (`kind: replicas`): `builtin:NAME` for a shipped one, or a path."""
+    interval_seconds: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    """How often Ray Serve runs the cluster policy (its autoscaling loop)."""
+    audit_log: str | None = None
+    """JSONL file every cluster decision is appended to, on the head node."""
+    replica_cpus: Annotated[float, Field(gt=0)] | None = None
+    """CPUs a replica reserves from Ray (null: 1). At most one replica runs on a node and it uses
+    all of that node's CPUs, whatever it reserves."""
+    retries: Annotated[int, Field(ge=0, le=10)] = 3
+    """Times an embeddings request is sent again to another replica when its replica dies."""
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is more than max_replicas ({self.max_replicas})")
+        return self
+
+    def policy_path(self) -> Path:
+        return shipped.resolve(self.policy, shipped.CLUSTER_POLICY)
+
+
 class AdminSection(Section):
     token_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = "SELFTUNE_ADMIN_TOKEN"
 
@@ -147,6 +174,7 @@ class ServerConfig(Section):
     monitors: MonitorsSection = MonitorsSection()
     autotune: AutotuneSection = AutotuneSection()
     admin: AdminSection = AdminSection()
+    cluster: ClusterSection = ClusterSection()
 
     def bounds_obj(self) -> Bounds:
         base = Bounds()
@@ -215,6 +243,10 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             config.autotune.policy_path()
         except FileNotFoundError as exc:
             raise ConfigError(f"{path}: autotune.policy: {config.autotune.policy}: {exc.strerror}") from None
+    try:
+        config.cluster.policy_path()
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: cluster.policy: {config.cluster.policy}: {exc.strerror}") from None
     return config
 
 

@@ -30,6 +30,7 @@ CONFIG = Kind("config", "", ".yaml")
 POLICY = Kind("policy", "policies", ".yaml")
 COST_MODEL = Kind("cost model", "costmodels", ".json")
 TUNE_CONFIG = Kind("tune config", "tune", ".yaml")
+CLUSTER_POLICY = Kind("cluster policy", "cluster", ".yaml")
 
 
 def root() -> Path:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from policies.aimd import AimdParams, AimdPolicy
 from policies.base import Policy
 from policies.composite import CompositeParams, CompositePolicy
+from policies.replicas import ReplicaParams, ReplicaPolicy
 from policies.search import SearchParams, SearchPolicy
 from policies.slo import SloParams, SloPolicy
 from policies.static import StaticParams, StaticPolicy
@@ -44,6 +45,26 @@ _IMPORT_PATH = re.compile(r"[.:/]")
 
 def load_policy(path: str) -> Policy:
     """Read a policy file and build its policy."""
+    return policy_from_spec(_read(path), path)
+
+
+def load_replica_policy(path: str) -> ReplicaPolicy:
+    """Read a cluster policy file (`kind: replicas`): the other kind of policy, which sizes the set
+    of replicas and never the knobs, so it is not among KINDS."""
+    return replica_policy_from_spec(_read(path), path)
+
+
+def replica_policy_from_spec(spec: dict, source: str) -> ReplicaPolicy:
+    if not isinstance(spec, dict) or spec.get("kind") != ReplicaPolicy.kind:
+        got = spec.get("kind") if isinstance(spec, dict) else type(spec).__name__
+        raise PolicyError(f"{source}: kind: a cluster policy file has kind: {ReplicaPolicy.kind} (got {got!r})")
+    try:
+        return ReplicaPolicy(ReplicaParams.model_validate({k: v for k, v in spec.items() if k != "kind"}))
+    except ValidationError as e:
+        raise PolicyError(_format_errors(source, e, ReplicaParams)) from None
+
+
+def _read(path: str):
     try:
         with open(path, encoding="utf-8") as f:
             spec = yaml.safe_load(f)
@@ -51,7 +72,7 @@ def load_policy(path: str) -> Policy:
         raise PolicyError(f"{path}: cannot read the policy file: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise PolicyError(f"{path}: not valid YAML: {e}") from None
-    return policy_from_spec(spec, path)
+    return spec
 
 
 def policy_from_spec(spec: dict, source: str) -> Policy:

@@ -30,7 +30,6 @@ Only process_count (and with `spread_threads` threads_per_process) changes; the 
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Literal
 
 from pydantic import Field
@@ -38,6 +37,7 @@ from pydantic import Field
 from engine.config import Bounds, Knobs
 from monitors.observation import Observation
 from policies.base import Decision, Params, clamp_knob
+from policies.stabilization import Stabilizer, count_reason, limit_step
 
 _METRIC_LABEL = {"busy_fraction": "busy", "queue_depth": "queue per worker"}
 
@@ -74,8 +74,7 @@ class ThresholdPolicy:
     def __init__(self, params: ThresholdParams | None = None):
         self.params = params or ThresholdParams()
         self.name = self.kind
-        self._recommendations: deque[tuple[float, int]] = deque()
-        self._first_seen: float | None = None
+        self._stabilizer = Stabilizer(self.params.scale_up_stabilization_seconds, self.params.scale_down_stabilization_seconds)
 
     def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
         p = self.params
@@ -90,16 +89,11 @@ class ThresholdPolicy:
         if backlog > max(desired, current):
             desired = backlog
             comparison += f"; backlog {observation.load.queue_depth} queued > {p.backlog_per_worker:g} per worker"
-        if self._first_seen is None:
-            self._first_seen = now
-        self._recommendations.append((now, desired))
-        self._forget_before(now - max(p.scale_up_stabilization_seconds, p.scale_down_stabilization_seconds))
-
-        stabilized, held_by = self._stabilize(now, current, desired)
-        new = self._limit_step(current, stabilized)
+        stabilized, held_by = self._stabilizer.stabilize(now, current, desired)
+        new = limit_step(current, stabilized, p.max_step_up, p.max_step_down)
         new = clamp_knob(bounds, "process_count", new)
         proposal = knobs.replace(process_count=new)
-        reason = self._reason(comparison, current, desired, new, held_by)
+        reason = count_reason(comparison, "process_count", current, desired, new, held_by)
         if p.spread_threads:
             threads = clamp_knob(bounds, "threads_per_process", bounds.threads_per_process[1] // new)
             if threads != knobs.threads_per_process:
@@ -127,40 +121,3 @@ class ThresholdPolicy:
         sign = ">" if ratio > 1 else "<"
         desired = max(1, math.ceil(ready * ratio - 1e-9))  # 1e-9: 2 × 0.7 / 0.7 is exactly 2
         return desired, f"{label} {value:.2f} {sign} target {p.target:.2f} (tolerance {p.tolerance:.2f})"
-
-    def _forget_before(self, cutoff: float) -> None:
-        while self._recommendations and self._recommendations[0][0] < cutoff:
-            self._recommendations.popleft()
-
-    def _stabilize(self, now: float, current: int, desired: int) -> tuple[int, str]:
-        """HPA's rule: up to the MIN over the up-window, down to the MAX over the down-window."""
-        p = self.params
-        up = min([r for t, r in self._recommendations if t >= now - p.scale_up_stabilization_seconds] + [desired])
-        down = max([r for t, r in self._recommendations if t >= now - p.scale_down_stabilization_seconds] + [desired])
-        if now - self._first_seen < p.scale_down_stabilization_seconds:
-            down = max(down, current)  # a window not yet seen in full counts as "keep the current count"
-        stabilized = current
-        if stabilized < up:
-            stabilized = up
-        if stabilized > down:
-            stabilized = down
-        held_by = ""
-        if desired > current and stabilized < desired:
-            held_by = f"scale-up stabilization (min over last {p.scale_up_stabilization_seconds:g} s = {up})"
-        elif desired < current and stabilized > desired:
-            held_by = f"scale-down stabilization (max over last {p.scale_down_stabilization_seconds:g} s = {down})"
-        return stabilized, held_by
-
-    def _limit_step(self, current: int, stabilized: int) -> int:
-        p = self.params
-        return min(max(stabilized, current - p.max_step_down), current + p.max_step_up)
-
-    @staticmethod
-    def _reason(comparison: str, current: int, desired: int, new: int, held_by: str) -> str:
-        if new != current:
-            note = f" (wants {desired}; step or bounds limit)" if new != desired else ""
-            return f"{comparison}: process_count {current} -> {new}{note}"
-        if desired != current:
-            why = held_by or "step or bounds limit"
-            return f"{comparison}: wants {desired}, held at {current} by {why}"
-        return f"{comparison}: process_count stays {current}"

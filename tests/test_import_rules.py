@@ -74,18 +74,28 @@ def test_policies_import_only_types_and_pure_libraries(path):
         assert ok, f"{path.name} imports {name}"
 
 
+LAYERS = {"live": {"live"}, "bench": {"live", "bench"}, "offline": {"live", "bench", "offline"}, "cluster": {"live", "cluster"}}
+"""Inside autotune/, which layers each layer may import."""
+
+
+def autotune_layer(module: str) -> str:
+    for layer in ("bench", "offline", "cluster"):
+        if under(module, f"autotune.{layer}"):
+            return layer
+    return "live"
+
+
 def test_autotune_layers_run_one_way():
-    """live (autotune/*.py) <- bench (autotune/bench) <- offline (autotune/offline); cli.py wires all three."""
+    """live (autotune/*.py) <- bench (autotune/bench) <- offline (autotune/offline), and live <-
+    cluster (autotune/cluster, the Ray layer): the one-host server never imports Ray's side.
+    cli.py wires them all (the cluster lazily, only for `serve --ray`)."""
     bad = []
     for path in (ROOT / "autotune").rglob("*.py"):
         module = module_of(path)
         if module == "autotune.cli":
             continue
-        names = imports(path)
-        if under(module, "autotune.bench"):
-            bad += [(module, n) for n in names if under(n, "autotune.offline")]
-        elif not under(module, "autotune.offline"):
-            bad += [(module, n) for n in names if under(n, "autotune.offline") or under(n, "autotune.bench")]
+        allowed = LAYERS[autotune_layer(module)]
+        bad += [(module, n) for n in imports(path) if under(n, "autotune") and autotune_layer(n) not in allowed]
     assert not bad
 
 
