@@ -90,15 +90,48 @@ def test_limit_at_a_batch_size_interpolates_the_best_layout():
     assert limit_at_batch({"2x1": {1: 100.0, 64: 300.0}}, 200) == pytest.approx(300.0)  # no extrapolation
 
 
-def test_measure_limit_measures_the_winning_cell_again():
+def test_measure_limit_measures_the_served_backend_and_fp32_and_the_winning_cells_again():
     from conftest import minilm_dir
 
     lines = []
-    limit = measure_limit(minilm_dir(), [f"sentence {i} for the limit" for i in range(40)], cores=2, batch_sizes=(1, 4), duration=0.3, say=lines.append)
-    assert set(limit.table) == {"1x2", "2x1"} and all(set(row) == {1, 4} for row in limit.table.values())
-    assert limit.swept == max(v for row in limit.table.values() for v in row.values())
-    assert limit.swept == limit.table[f"{limit.processes}x{limit.threads}"][limit.batch_size]
-    assert limit.sentences_per_second > 0 and f"again for 0.9 s: {limit.sentences_per_second:.0f}/s" in lines[-1]
+    texts = [f"sentence {i} for the limit" for i in range(40)]
+    limits = measure_limit(minilm_dir(), texts, cores=2, batch_sizes=(1, 4), duration=0.3, say=lines.append, dtype="bfloat16")
+    assert limits.choice["dtype"] == limits.best.dtype == "bfloat16" and limits.choice["requested"] == "bfloat16"
+    assert limits.float32.dtype == "float32" and limits.float32 is not limits.best
+    for limit in (limits.best, limits.float32):
+        assert set(limit.table) == {"1x2", "2x1"} and all(set(row) == {1, 4} for row in limit.table.values())
+        assert limit.swept == max(v for row in limit.table.values() for v in row.values())
+        assert limit.swept == limit.table[f"{limit.processes}x{limit.threads}"][limit.batch_size]
+        assert limit.sentences_per_second > 0
+        assert any(f"{limit.dtype}, batch {limit.batch_size}, again for 0.9 s: {limit.sentences_per_second:.0f}/s" in line for line in lines)
+    assert sum(" bfloat16: batch 1:" in line for line in lines) == sum(" float32: batch 1:" in line for line in lines) == 2
+
+
+def test_the_limit_follows_the_servers_choice_without_native_bf16(monkeypatch):
+    from conftest import minilm_dir
+
+    from autotune.bench.limit import served_choice
+    from engine.loading import NATIVE_BF16_ENV
+
+    monkeypatch.setenv(NATIVE_BF16_ENV, "0")  # the spawned child inherits it: a CPU without avx512_bf16/AMX
+    choice = served_choice(minilm_dir(), "auto")
+    assert choice["dtype"] == "float32" and "no native bf16" in choice["reason"]
+
+
+def test_the_limit_row_and_verdicts_name_the_served_backend_and_fp32_beside_it():
+    from autotune.bench.report import capacity_table
+
+    fp32 = {"sentences_per_second": 100.0, "processes": 2, "threads": 1, "batch_size": 64, "dtype": "float32", "table": {"2x1": {"1": 60.0, "64": 100.0}}}
+    limit = {**fp32, "sentences_per_second": 180.0, "batch_size": 32, "dtype": "bfloat16", "mode": "bf16-mixed",
+             "table": {"2x1": {"1": 90.0, "32": 180.0}}, "float32": fp32}
+    best = ModeResult("multiprocess", "", {}, {}, max_qps=135.0, at_max={})
+    table = capacity_table([best], limit, 0.5).splitlines()
+    assert table[-2].startswith("| limit | in-process, no server, bfloat16 (bf16-mixed), the backend the server serves: 2 × 1, batch 32 | **180** |")
+    assert table[-1].startswith("| limit, fp32 | in-process, no server, float32, for comparison: 2 × 1, batch 64 | **100** |")
+    lines = verdicts([best], limit)
+    assert lines[0] == "best served mode multiprocess: 135 req/s = 0.75 × limit (180/s, bfloat16 (bf16-mixed): the backend the server serves)"
+    assert lines[1] == "fp32 limit 100/s: the served backend's limit is 1.80 × it; best served = 1.35 × the fp32 limit"
+    assert capacity_table([best], fp32, 0.5).splitlines()[-1].startswith("| limit | in-process, no server, float32, the backend")  # fp32 served: one row
 
 
 def test_verdicts_set_the_best_mode_against_the_limit_at_the_batch_it_ran():

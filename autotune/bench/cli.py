@@ -250,16 +250,20 @@ def split_modes(text: str) -> list[str]:
 
 
 def measure_limit_row(args, texts: list[str], cores: int, say) -> dict:
+    """The limit as the JSON carries it: the served backend's figures at the top level (what
+    every ratio divides by), fp32's under "float32", and the server's dtype choice."""
     from autotune.bench.limit import measure_limit
     from engine.config import EngineConfig
     from engine.model_source import resolve_model
 
     source = resolve_model(args.model, EngineConfig().cache_dir)
-    say(f"limit: {source.name} in-process (tokenize + forward + pool), no server")
-    limit = measure_limit(source.path, texts, cores, duration=1.0 if args.quick else 2.0, say=say)
-    say(f"limit: {limit.sentences_per_second:.0f} sentences/s ({limit.processes} × {limit.threads}, batch {limit.batch_size})")
-    return {"sentences_per_second": limit.sentences_per_second, "swept": limit.swept, "processes": limit.processes, "threads": limit.threads,
-            "batch_size": limit.batch_size, "table": {k: {str(b): v for b, v in t.items()} for k, t in limit.table.items()}}
+    say(f"limit: {source.name} in-process (tokenize + forward + pool), no server; the served dtype and fp32")
+    limits = measure_limit(source.path, texts, cores, duration=1.0 if args.quick else 2.0, say=say)
+    best = limits.best
+    say(f"limit: {best.sentences_per_second:.0f} sentences/s ({best.dtype}, {best.processes} × {best.threads}, batch {best.batch_size}); "
+        f"fp32 {limits.float32.sentences_per_second:.0f}/s")
+    choice = {k: v for k, v in limits.choice.items() if k in ("requested", "dtype", "mode", "reason", "min_cosine", "bf16_speedup")}
+    return {**best.as_dict(), "backend": "torch", "mode": limits.choice.get("mode"), "choice": choice, "float32": limits.float32.as_dict()}
 
 
 def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
@@ -268,7 +272,11 @@ def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
     lines = []
     best = max(results, key=lambda r: r.max_qps, default=None)
     if best is not None and limit:
-        lines.append(f"best served mode {best.mode}: {best.max_qps:.0f} req/s = {best.max_qps / limit['sentences_per_second']:.2f} × limit ({limit['sentences_per_second']:.0f}/s)")
+        lines.append(f"best served mode {best.mode}: {best.max_qps:.0f} req/s = {best.max_qps / limit['sentences_per_second']:.2f} × limit ({limit['sentences_per_second']:.0f}/s{_backend(limit)})")
+        fp32 = limit.get("float32")
+        if fp32 and fp32["sentences_per_second"] != limit["sentences_per_second"]:
+            lines.append(f"fp32 limit {fp32['sentences_per_second']:.0f}/s: the served backend's limit is {limit['sentences_per_second'] / fp32['sentences_per_second']:.2f} × it; "
+                         f"best served = {best.max_qps / fp32['sentences_per_second']:.2f} × the fp32 limit")
         batch = (best.at_max or {}).get("batch_items", math.nan)
         if math.isfinite(batch):
             at_batch = limit_at_batch(limit["table"], batch)
@@ -287,6 +295,14 @@ def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
         if fixed:
             lines.append(f"{r.mode} ahead of: {', '.join(ahead) or 'none'}" + (f"; not ahead of: {', '.join(behind)}" if behind else ""))
     return lines
+
+
+def _backend(limit: dict) -> str:
+    """`, bfloat16 bf16-mixed, the server's choice` for a limit that says its backend (older JSON does not)."""
+    if "dtype" not in limit:
+        return ""
+    mode = f" ({limit['mode']})" if limit.get("mode") else ""
+    return f", {limit['dtype']}{mode}: the backend the server serves"
 
 
 def _gap(tuned: ModeResult, fixed: ModeResult, oracle: ModeResult | None) -> str:
@@ -335,7 +351,7 @@ def write_outputs(out: str, summary: dict, table: str, results: list[ModeResult]
             f.write(f"- load generator against an endpoint that answers at once: {g['achieved']:.0f} of {g['offered']:.0f} req/s offered, "
                     f"send lag p99 {g['lag_p99_ms']:.1f} ms, {g['generator_cpu_cores']:.2f} cores\n")
     if not is_workload:
-        report.plot_curves(results, slo, os.path.join(out, "latency-throughput.png"))
+        report.plot_curves(results, slo, os.path.join(out, "latency-throughput.png"), summary.get("limit"))
     for r in results:
         if r.mode.startswith("autotuned") or is_workload:
             name = r.mode.replace(":", "-").replace(",", "_").replace("=", "")

@@ -30,11 +30,22 @@ def capacity_table(results: list[ModeResult], limit: dict | None, slo: float) ->
             f"{f'{batch:.1f}' if math.isfinite(batch) else '–'} | {r.memory_mib:.0f} | {'–' if cpu is None else f'{cpu:.2f}'} | {end} |"
         )
     if limit is not None:
-        lines.append(
-            f"| limit | in-process, no server: {limit['processes']} × {limit['threads']}, batch {limit['batch_size']} | "
-            f"**{limit['sentences_per_second']:.0f}** | | | {limit['batch_size']} | | | |"
-        )
+        lines += limit_rows(limit)
     return "\n".join(lines)
+
+
+def limit_rows(limit: dict) -> list[str]:
+    """The limit row (the backend the server serves) and, when that is not fp32, fp32's beside it."""
+    fp32 = limit.get("float32")
+    mode = f" ({limit['mode']})" if limit.get("mode") else ""
+    rows = [("limit", limit, f"{limit.get('dtype', 'float32')}{mode}, the backend the server serves")]
+    if fp32 and fp32.get("dtype") != limit.get("dtype"):
+        rows.append(("limit, fp32", fp32, "float32, for comparison"))
+    return [
+        f"| {name} | in-process, no server, {what}: {row['processes']} × {row['threads']}, batch {row['batch_size']} | "
+        f"**{row['sentences_per_second']:.0f}** | | | {row['batch_size']} | | | |"
+        for name, row, what in rows
+    ]
 
 
 def workload_table(results: list[ModeResult]) -> str:
@@ -55,8 +66,9 @@ def workload_table(results: list[ModeResult]) -> str:
     return "\n".join(lines)
 
 
-def plot_curves(results: list[ModeResult], slo: float, path: str) -> None:
-    """Latency–throughput curves: p99 (solid) and mean (dotted) against the offered rate, per mode."""
+def plot_curves(results: list[ModeResult], slo: float, path: str, limit: dict | None = None) -> None:
+    """Latency–throughput curves: p99 (solid) and mean (dotted) against the offered rate, per
+    mode; the limit (the served backend's) and the fp32 limit as vertical lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,6 +84,8 @@ def plot_curves(results: list[ModeResult], slo: float, path: str) -> None:
         ax.plot(x, [s["p99"] * 1000 for s in steps], "o-", color=color, label=f"{r.mode} p99 (max {r.max_qps:.0f}/s)")
         ax.plot(x, [s["mean"] * 1000 for s in steps], ":", color=color, lw=1)
     ax.axhline(slo * 1000, color="k", ls="--", lw=0.8, label="SLO")
+    for row, style, name in _limit_lines(limit):
+        ax.axvline(row["sentences_per_second"], color="k", ls=style, lw=1, label=f"{name}: {row['sentences_per_second']:.0f}/s")
     ax.set_yscale("log")
     ax.set_xlabel("offered load (requests/s, Poisson)")
     ax.set_ylabel("latency (ms): p99 solid, mean dotted")
@@ -80,6 +94,16 @@ def plot_curves(results: list[ModeResult], slo: float, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _limit_lines(limit: dict | None) -> list[tuple[dict, str, str]]:
+    if not limit:
+        return []
+    lines = [(limit, "-.", f"limit, {limit.get('dtype', 'float32')}")]
+    fp32 = limit.get("float32")
+    if fp32 and fp32.get("dtype") != limit.get("dtype"):
+        lines.append((fp32, ":", "limit, float32"))
+    return lines
 
 
 def _requests(log: RunLog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
