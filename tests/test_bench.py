@@ -218,6 +218,49 @@ def test_capacity_ladder_and_stage_headers_against_a_real_server(tmp_path):
         server.stop()
 
 
+def test_bodies_of_many_inputs_cover_the_texts_in_seeded_order():
+    from autotune.bench.runner import embed_body
+
+    texts = [f"text {i}" for i in range(64)]
+    body = embed_body(texts, seed=3, inputs=16)
+    requests = [json.loads(body(i))["input"] for i in range(4)]
+    assert all(isinstance(r, list) and len(r) == 16 for r in requests)
+    assert sorted(t for r in requests for t in r) == sorted(texts)  # four requests: every text once
+    assert body(4) == body(0) and body(1) != embed_body(texts, seed=4, inputs=16)(1)
+    assert isinstance(json.loads(embed_body(texts, seed=3)(0))["input"], str)  # one input: a plain string, as before
+
+
+def test_the_ladder_sends_requests_of_many_inputs_to_a_real_server(tmp_path):
+    import httpx
+
+    config = {"model": {"dtype": "float32"}, "concurrency": {"process_count": 2, "threads_per_process": 1, "max_batch_size": 8}, "autotune": {"enabled": False}}
+    server = ServerProcess(tmp_path, config)
+    log = RunLog(server.url)
+    try:
+        plan = CapacityPlan(LadderConfig(start=2, factor=2, refine=0, max_steps=2), step_seconds=2.0, min_judged=2, settle=0.25, warmup_seconds=1.0,
+                            slo=2.0, inputs_per_request=16)
+        best, steps = capacity(server.url, server.cpu_seconds, log, plan, [f"a sentence number {i} to index" for i in range(64)], "test", print)
+        counters = httpx.get(server.url + "/stats").json()["counters"]
+    finally:
+        log.close()
+        server.stop()
+    assert [s.offered for s in steps] == [2, 4] and best == 4, [s.as_dict() for s in steps]
+    assert counters["items"] == 16 * counters["requests"] and counters["requests"] >= 10
+    assert counters["batches"] >= 2 * counters["requests"]  # 16 inputs at batch 8: each request ran in two batches at least
+
+
+def test_tables_and_verdicts_of_many_inputs_per_request_compare_sentences_per_second():
+    from autotune.bench.report import capacity_table
+
+    limit = {"sentences_per_second": 400.0, "processes": 2, "threads": 1, "batch_size": 64, "dtype": "bfloat16", "table": {"2x1": {"1": 100.0, "64": 400.0}}}
+    best = ModeResult("multiprocess", "2 × 1", {}, {}, max_qps=10.5, at_max={}, inputs_per_request=32)
+    assert best.max_sentences_per_second == 336.0
+    table = capacity_table([best], limit, 0.5, inputs=32).splitlines()
+    assert "max QPS (p99 ≤ 500 ms): req/s (sentences/s, 32 per request)" in table[0]
+    assert "| **10.5** (336) |" in table[2] and "| **12.5** (400) |" in table[-1]
+    assert verdicts([best], limit)[0] == "best served mode multiprocess: 10.5 req/s × 32 = 336 sentences/s = 0.84 × limit (400/s, bfloat16: the backend the server serves)"
+
+
 def test_open_loop_keeps_the_schedule_when_the_server_is_slow(tmp_path):
     """Open loop: a slow server does not slow the arrivals (latency grows, lag does not)."""
     config = {"concurrency": {"process_count": 1, "max_batch_size": 1, "batch_timeout": 0.0}, "autotune": {"enabled": False}}
@@ -240,5 +283,8 @@ def test_bench_cli_rejects_unknown_modes_and_workloads():
         assert bad_words.returncode == 2 and f"--words: {words!r} {why}" in bad_words.stderr
     bad_mode = run("--modes", "multiprocess,turbo")
     assert bad_mode.returncode == 2 and "unknown mode 'turbo'" in bad_mode.stderr
+    for extra, why in ((("--inputs-per-request", "0"), "needs a whole number >= 1"), (("--inputs-per-request", "8", "--workload", "poisson:rate=1,duration=1"), "only for the rate ladder")):
+        bad_inputs = run(*extra)
+        assert bad_inputs.returncode == 2 and "--inputs-per-request: " in bad_inputs.stderr and why in bad_inputs.stderr
     bad_workload = run("--workload", "zigzag:rate=3")
     assert bad_workload.returncode == 2 and "workload kind 'zigzag'" in bad_workload.stderr
