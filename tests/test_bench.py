@@ -103,7 +103,7 @@ def test_measure_limit_measures_the_served_backend_and_fp32_and_the_winning_cell
         assert limit.swept == max(v for row in limit.table.values() for v in row.values())
         assert limit.swept == limit.table[f"{limit.processes}x{limit.threads}"][limit.batch_size]
         assert limit.sentences_per_second > 0
-        assert any(f"{limit.dtype}, batch {limit.batch_size}, again for 0.9 s: {limit.sentences_per_second:.0f}/s" in line for line in lines)
+        assert any(f"{limit.dtype}, batch {limit.batch_size}, again for 0.9 s: {limit.sentences_per_second:.0f}/s (halves" in line for line in lines)
     assert sum(" bfloat16: batch 1:" in line for line in lines) == sum(" float32: batch 1:" in line for line in lines) == 2
 
 
