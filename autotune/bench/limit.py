@@ -216,7 +216,8 @@ def _confirm(ctx, path: str, texts: list[str], tables: dict, duration: float, sa
     for d, (name, bs) in cells.items():
         processes, threads = (int(x) for x in name.split("x"))
         confirmed = sum(halves[d]) / 2
+        busy = "; under half the sweep: the cores were busy with something else, the limit reads low" if confirmed < 0.5 * tables[d][name][bs] else ""
         say(f"limit {name} {d}, batch {bs}, again for {3 * duration:g} s: {confirmed:.0f}/s "
-            f"(halves {halves[d][0]:.0f}, {halves[d][1]:.0f}; the sweep said {tables[d][name][bs]:.0f}/s)")
+            f"(halves {halves[d][0]:.0f}, {halves[d][1]:.0f}; the sweep said {tables[d][name][bs]:.0f}/s{busy})")
         out[d] = Limit(confirmed, processes, threads, bs, tables[d], swept=tables[d][name][bs], dtype=d)
     return out
