@@ -132,6 +132,9 @@ def test_the_limit_row_and_verdicts_name_the_served_backend_and_fp32_beside_it()
     assert lines[0] == "best served mode multiprocess: 135 req/s = 0.75 × limit (180/s, bfloat16 (bf16-mixed): the backend the server serves)"
     assert lines[1] == "fp32 limit 100/s: the served backend's limit is 1.80 × it; best served = 1.35 × the fp32 limit"
     assert capacity_table([best], fp32, 0.5).splitlines()[-1].startswith("| limit | in-process, no server, float32, the backend")  # fp32 served: one row
+    best.dtype = "float32"  # a server whose own probe chose fp32 (a busy machine can make bf16 measure slower)
+    assert "| multiprocess | , float32 | **135** |" in capacity_table([best], limit, 0.5)
+    assert verdicts([best], limit)[1] == "note: multiprocess's server served float32, the limit is bfloat16's: its start-up probe chose otherwise"
 
 
 def test_verdicts_set_the_best_mode_against_the_limit_at_the_batch_it_ran():
@@ -247,6 +250,17 @@ def test_the_ladder_sends_requests_of_many_inputs_to_a_real_server(tmp_path):
     assert [s.offered for s in steps] == [2, 4] and best == 4, [s.as_dict() for s in steps]
     assert counters["items"] == 16 * counters["requests"] and counters["requests"] >= 10
     assert counters["batches"] >= 2 * counters["requests"]  # 16 inputs at batch 8: each request ran in two batches at least
+
+
+def test_a_mode_runs_its_server_in_the_dtype_asked_and_reports_what_it_served(tmp_path):
+    import dataclasses
+
+    from autotune.bench.runner import run_mode
+
+    m = dataclasses.replace(mode("static:process_count=1,max_batch_size=8", 2), dtype="float32")
+    plan = CapacityPlan(LadderConfig(start=5, factor=2, refine=0, max_steps=1), step_seconds=1.5, min_judged=2, settle=0.25, warmup_seconds=0.5, slo=2.0)
+    result, log = run_mode(m, "builtin:minilm", str(tmp_path), print, 2.0, plan=plan, texts=["a sentence to embed", "another one"])
+    assert result.dtype == "float32" and result.max_qps == 5 and result.final_knobs["max_batch_size"] == 8
 
 
 def test_tables_and_verdicts_of_many_inputs_per_request_compare_sentences_per_second():

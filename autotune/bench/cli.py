@@ -284,6 +284,8 @@ def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
         served = best.max_sentences_per_second  # the limit is sentences/s; a request may carry many
         rate = f"{best.max_qps:.0f} req/s" if best.inputs_per_request == 1 else f"{best.max_qps:.1f} req/s × {best.inputs_per_request} = {served:.0f} sentences/s"
         lines.append(f"best served mode {best.mode}: {rate} = {served / limit['sentences_per_second']:.2f} × limit ({limit['sentences_per_second']:.0f}/s{_backend(limit)})")
+        if best.dtype and limit.get("dtype") and best.dtype != limit["dtype"]:  # each server's zygote probes on its own
+            lines.append(f"note: {best.mode}'s server served {best.dtype}, the limit is {limit['dtype']}'s: its start-up probe chose otherwise")
         fp32 = limit.get("float32")
         if fp32 and fp32["sentences_per_second"] != limit["sentences_per_second"]:
             lines.append(f"fp32 limit {fp32['sentences_per_second']:.0f}/s: the served backend's limit is {limit['sentences_per_second'] / fp32['sentences_per_second']:.2f} × it; "

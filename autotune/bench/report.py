@@ -28,7 +28,7 @@ def capacity_table(results: list[ModeResult], limit: dict | None, slo: float, in
         cpu = at.get("cpu_cores")
         batch = at.get("batch_items", math.nan)
         lines.append(
-            f"| {r.mode} | {r.description} | {_rate(r.max_qps, inputs)} | {_ms(at.get('mean'))} | {_ms(at.get('p99'))} | "
+            f"| {r.mode} | {r.description}{f', {r.dtype}' if r.dtype else ''} | {_rate(r.max_qps, inputs)} | {_ms(at.get('mean'))} | {_ms(at.get('p99'))} | "
             f"{f'{batch:.1f}' if math.isfinite(batch) else '–'} | {r.memory_mib:.0f} | {'–' if cpu is None else f'{cpu:.2f}'} | {end} |"
         )
     if limit is not None:

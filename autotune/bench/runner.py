@@ -74,6 +74,8 @@ class ModeResult:
     timeline: list[dict] = field(default_factory=list)
     """Every second: elapsed time and the knobs the server had."""
     inputs_per_request: int = 1
+    dtype: str = ""
+    """The dtype its server served (/stats model.dtype: its own start-up choice); empty if not known."""
 
     @property
     def max_sentences_per_second(self) -> float:
@@ -212,7 +214,8 @@ def run_mode(
             wait_idle(server.url)
             result.workload = replay(log, workload, slo, mode.name, say, writer)
         result.memory_mib = server.memory_bytes() / 2**20
-        result.final_knobs = httpx.get(server.url + "/stats", timeout=10).json()["knobs"]
+        stats = httpx.get(server.url + "/stats", timeout=10).json()
+        result.final_knobs, result.dtype = stats["knobs"], (stats.get("model") or {}).get("dtype") or ""
         result.timeline = log.rows
     finally:
         log.close()
