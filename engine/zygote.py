@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps exited workers
     conn = Connection(fd)
     try:
-        model, device, choice = _load(model_path, task, device, dtype)
+        model, device, choice = load_for_serving(model_path, task, device, dtype)
     except Exception:
         conn.send(m.ZygoteFailed(traceback.format_exc()))
         return 1
@@ -68,7 +68,9 @@ def main(argv: list[str]) -> int:
             log.error("zygote: refusing an unknown message %s", type(msg).__name__)
 
 
-def _load(model_path: str, task: str, device: str, dtype: str):
+def load_for_serving(model_path: str, task: str, device: str, dtype: str):
+    """(model, device, dtype choice) as every worker gets them: also what the bench's limit and
+    the profiler call, in a process of their own, so they measure the backend the server serves."""
     import torch
 
     from engine.loading import load_model, resolve_device, resolve_dtype

@@ -90,15 +90,51 @@ def test_limit_at_a_batch_size_interpolates_the_best_layout():
     assert limit_at_batch({"2x1": {1: 100.0, 64: 300.0}}, 200) == pytest.approx(300.0)  # no extrapolation
 
 
-def test_measure_limit_measures_the_winning_cell_again():
+def test_measure_limit_measures_the_served_backend_and_fp32_and_the_winning_cells_again():
     from conftest import minilm_dir
 
     lines = []
-    limit = measure_limit(minilm_dir(), [f"sentence {i} for the limit" for i in range(40)], cores=2, batch_sizes=(1, 4), duration=0.3, say=lines.append)
-    assert set(limit.table) == {"1x2", "2x1"} and all(set(row) == {1, 4} for row in limit.table.values())
-    assert limit.swept == max(v for row in limit.table.values() for v in row.values())
-    assert limit.swept == limit.table[f"{limit.processes}x{limit.threads}"][limit.batch_size]
-    assert limit.sentences_per_second > 0 and f"again for 0.9 s: {limit.sentences_per_second:.0f}/s" in lines[-1]
+    texts = [f"sentence {i} for the limit" for i in range(40)]
+    limits = measure_limit(minilm_dir(), texts, cores=2, batch_sizes=(1, 4), duration=0.3, say=lines.append, dtype="bfloat16")
+    assert limits.choice["dtype"] == limits.best.dtype == "bfloat16" and limits.choice["requested"] == "bfloat16"
+    assert limits.float32.dtype == "float32" and limits.float32 is not limits.best
+    for limit in (limits.best, limits.float32):
+        assert set(limit.table) == {"1x2", "2x1"} and all(set(row) == {1, 4} for row in limit.table.values())
+        assert limit.swept == max(v for row in limit.table.values() for v in row.values())
+        assert limit.swept == limit.table[f"{limit.processes}x{limit.threads}"][limit.batch_size]
+        assert limit.sentences_per_second > 0
+        assert any(f"{limit.dtype}, batch {limit.batch_size}, again for 0.9 s: {limit.sentences_per_second:.0f}/s (halves" in line for line in lines)
+    assert sum(" bfloat16: batch 1:" in line for line in lines) == sum(" float32: batch 1:" in line for line in lines) == 2
+
+
+def test_the_limit_follows_the_servers_choice_without_native_bf16(monkeypatch):
+    from conftest import minilm_dir
+
+    from autotune.bench.limit import served_choice
+    from engine.loading import NATIVE_BF16_ENV
+
+    monkeypatch.setenv(NATIVE_BF16_ENV, "0")  # the spawned child inherits it: a CPU without avx512_bf16/AMX
+    choice = served_choice(minilm_dir(), "auto")
+    assert choice["dtype"] == "float32" and "no native bf16" in choice["reason"]
+
+
+def test_the_limit_row_and_verdicts_name_the_served_backend_and_fp32_beside_it():
+    from autotune.bench.report import capacity_table
+
+    fp32 = {"sentences_per_second": 100.0, "processes": 2, "threads": 1, "batch_size": 64, "dtype": "float32", "table": {"2x1": {"1": 60.0, "64": 100.0}}}
+    limit = {**fp32, "sentences_per_second": 180.0, "batch_size": 32, "dtype": "bfloat16", "mode": "bf16-mixed",
+             "table": {"2x1": {"1": 90.0, "32": 180.0}}, "float32": fp32}
+    best = ModeResult("multiprocess", "", {}, {}, max_qps=135.0, at_max={})
+    table = capacity_table([best], limit, 0.5).splitlines()
+    assert table[-2].startswith("| limit | in-process, no server, bfloat16 (bf16-mixed), the backend the server serves: 2 × 1, batch 32 | **180** |")
+    assert table[-1].startswith("| limit, fp32 | in-process, no server, float32, for comparison: 2 × 1, batch 64 | **100** |")
+    lines = verdicts([best], limit)
+    assert lines[0] == "best served mode multiprocess: 135 req/s = 0.75 × limit (180/s, bfloat16 (bf16-mixed): the backend the server serves)"
+    assert lines[1] == "fp32 limit 100/s: the served backend's limit is 1.80 × it; best served = 1.35 × the fp32 limit"
+    assert capacity_table([best], fp32, 0.5).splitlines()[-1].startswith("| limit | in-process, no server, float32, the backend")  # fp32 served: one row
+    best.dtype = "float32"  # a server whose own probe chose fp32 (a busy machine can make bf16 measure slower)
+    assert "| multiprocess | , float32 | **135** |" in capacity_table([best], limit, 0.5)
+    assert verdicts([best], limit)[1] == "note: multiprocess's server served float32, the limit is bfloat16's: its start-up probe chose otherwise"
 
 
 def test_verdicts_set_the_best_mode_against_the_limit_at_the_batch_it_ran():
@@ -185,6 +221,60 @@ def test_capacity_ladder_and_stage_headers_against_a_real_server(tmp_path):
         server.stop()
 
 
+def test_bodies_of_many_inputs_cover_the_texts_in_seeded_order():
+    from autotune.bench.runner import embed_body
+
+    texts = [f"text {i}" for i in range(64)]
+    body = embed_body(texts, seed=3, inputs=16)
+    requests = [json.loads(body(i))["input"] for i in range(4)]
+    assert all(isinstance(r, list) and len(r) == 16 for r in requests)
+    assert sorted(t for r in requests for t in r) == sorted(texts)  # four requests: every text once
+    assert body(4) == body(0) and body(1) != embed_body(texts, seed=4, inputs=16)(1)
+    assert isinstance(json.loads(embed_body(texts, seed=3)(0))["input"], str)  # one input: a plain string, as before
+
+
+def test_the_ladder_sends_requests_of_many_inputs_to_a_real_server(tmp_path):
+    import httpx
+
+    config = {"model": {"dtype": "float32"}, "concurrency": {"process_count": 2, "threads_per_process": 1, "max_batch_size": 8}, "autotune": {"enabled": False}}
+    server = ServerProcess(tmp_path, config)
+    log = RunLog(server.url)
+    try:
+        plan = CapacityPlan(LadderConfig(start=2, factor=2, refine=0, max_steps=2), step_seconds=2.0, min_judged=2, settle=0.25, warmup_seconds=1.0,
+                            slo=2.0, inputs_per_request=16)
+        best, steps = capacity(server.url, server.cpu_seconds, log, plan, [f"a sentence number {i} to index" for i in range(64)], "test", print)
+        counters = httpx.get(server.url + "/stats").json()["counters"]
+    finally:
+        log.close()
+        server.stop()
+    assert [s.offered for s in steps] == [2, 4] and best == 4, [s.as_dict() for s in steps]
+    assert counters["items"] == 16 * counters["requests"] and counters["requests"] >= 10
+    assert counters["batches"] >= 2 * counters["requests"]  # 16 inputs at batch 8: each request ran in two batches at least
+
+
+def test_a_mode_runs_its_server_in_the_dtype_asked_and_reports_what_it_served(tmp_path):
+    import dataclasses
+
+    from autotune.bench.runner import run_mode
+
+    m = dataclasses.replace(mode("static:process_count=1,max_batch_size=8", 2), dtype="float32")
+    plan = CapacityPlan(LadderConfig(start=5, factor=2, refine=0, max_steps=1), step_seconds=1.5, min_judged=2, settle=0.25, warmup_seconds=0.5, slo=2.0)
+    result, log = run_mode(m, "builtin:minilm", str(tmp_path), print, 2.0, plan=plan, texts=["a sentence to embed", "another one"])
+    assert result.dtype == "float32" and result.max_qps == 5 and result.final_knobs["max_batch_size"] == 8
+
+
+def test_tables_and_verdicts_of_many_inputs_per_request_compare_sentences_per_second():
+    from autotune.bench.report import capacity_table
+
+    limit = {"sentences_per_second": 400.0, "processes": 2, "threads": 1, "batch_size": 64, "dtype": "bfloat16", "table": {"2x1": {"1": 100.0, "64": 400.0}}}
+    best = ModeResult("multiprocess", "2 × 1", {}, {}, max_qps=10.5, at_max={}, inputs_per_request=32)
+    assert best.max_sentences_per_second == 336.0
+    table = capacity_table([best], limit, 0.5, inputs=32).splitlines()
+    assert "max QPS (p99 ≤ 500 ms): req/s (sentences/s, 32 per request)" in table[0]
+    assert "| **10.5** (336) |" in table[2] and "| **12.5** (400) |" in table[-1]
+    assert verdicts([best], limit)[0] == "best served mode multiprocess: 10.5 req/s × 32 = 336 sentences/s = 0.84 × limit (400/s, bfloat16: the backend the server serves)"
+
+
 def test_open_loop_keeps_the_schedule_when_the_server_is_slow(tmp_path):
     """Open loop: a slow server does not slow the arrivals (latency grows, lag does not)."""
     config = {"concurrency": {"process_count": 1, "max_batch_size": 1, "batch_timeout": 0.0}, "autotune": {"enabled": False}}
@@ -207,5 +297,8 @@ def test_bench_cli_rejects_unknown_modes_and_workloads():
         assert bad_words.returncode == 2 and f"--words: {words!r} {why}" in bad_words.stderr
     bad_mode = run("--modes", "multiprocess,turbo")
     assert bad_mode.returncode == 2 and "unknown mode 'turbo'" in bad_mode.stderr
+    for extra, why in ((("--inputs-per-request", "0"), "needs a whole number >= 1"), (("--inputs-per-request", "8", "--workload", "poisson:rate=1,duration=1"), "only for the rate ladder")):
+        bad_inputs = run(*extra)
+        assert bad_inputs.returncode == 2 and "--inputs-per-request: " in bad_inputs.stderr and why in bad_inputs.stderr
     bad_workload = run("--workload", "zigzag:rate=3")
     assert bad_workload.returncode == 2 and "workload kind 'zigzag'" in bad_workload.stderr

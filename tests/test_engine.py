@@ -109,6 +109,27 @@ def test_500_requests_while_knobs_change_all_answered_correctly(engine, referenc
     wait_until(lambda: len(engine.stats().workers) == 1)
 
 
+def test_a_request_of_64_inputs_runs_in_many_batches_on_both_workers_and_comes_back_in_order(engine):
+    """Indexing clients send 32-256 texts per request: its inputs are items of their own, so
+    they spread over batches and workers; the batcher groups them by length, which reorders
+    them, and each vector still lands at its input's place."""
+    engine.apply(engine.knobs.replace(process_count=2, threads_per_process=1, max_batch_size=8, batch_timeout=0.002))  # earlier tests move them
+    engine.wait_ready(workers=2)
+    texts = [f"document {i}: " + "words of the indexed page " * (1 + (i * 7) % 11) for i in range(64)]
+    singles = np.concatenate([engine.embed(t).result(timeout=60).vectors for t in texts])
+    before = engine.stats()
+    result = engine.embed(texts).result(timeout=120)
+    after = engine.stats()
+    batches = after.counters.batches - before.counters.batches
+    assert batches >= 64 // engine.knobs.max_batch_size  # batches of at most max_batch_size items
+    assert after.counters.items - before.counters.items == 64
+    items = {w.worker_id: w.items for w in before.workers}
+    ran = {w.worker_id: w.items - items.get(w.worker_id, 0) for w in after.workers}
+    assert len(ran) == 2 and all(n > 0 for n in ran.values()) and sum(ran.values()) == 64, ran
+    assert result.vectors.shape == (64, 384)
+    assert np.abs(result.vectors - singles).max() < 1e-5  # in order, and equal to one-input requests
+
+
 def test_killed_worker_loses_no_embedding_request(engine, reference):
     engine.apply(engine.knobs.replace(process_count=2, max_batch_size=4, batch_timeout=0.0))
     engine.wait_ready(workers=2)

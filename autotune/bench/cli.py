@@ -5,6 +5,7 @@
     selftune bench --modes autotuned,static:process_count=2,max_batch_size=64
     selftune bench --workload "onoff:on_rate=150,off_rate=5,on_seconds=30,off_seconds=60,duration=270,length=16-64"
     selftune bench --url http://127.0.0.1:8000      # the capacity of a server already running
+    selftune bench --inputs-per-request 32          # indexing clients: 32 texts per request (req/s and sentences/s)
     selftune bench --task generate --quick          # streamed text generation (autotune/bench/gen_cli.py)
 
 Progress goes to stderr; the table to stdout (and with --out to bench.md, bench.json, the
@@ -48,6 +49,9 @@ def register(subparsers) -> None:
     b.add_argument("--task", choices=("embed", "generate"), default="embed", help="embeddings (the default) or streamed text generation")
     b.add_argument("--model", help="default: builtin:minilm (embed), builtin:smollm2 (generate)")
     b.add_argument("--policy", help="policy file for the autotuned modes (default: configs/policies/default.yaml)")
+    b.add_argument("--inputs-per-request", type=int, default=1, metavar="N",
+                   help="texts per request of the rate ladder (indexing clients send 32-256); QPS is reported as requests/s and sentences/s, "
+                   "the limit compared in sentences/s")
     b.add_argument("--words", default="8-48", help="MIN-MAX: words per input text of the rate ladder and the limit (uniform)")
     b.add_argument("--slo", type=float, default=0.5, help="p99 latency objective, seconds")
     b.add_argument("--seed", type=int, default=0)
@@ -98,7 +102,7 @@ def run_embed_bench(args) -> int:
 
     machine = machine_info()
     say(f"machine: {machine['cpu']}, {cores} usable cores, {machine['ram_gib']} GiB")
-    texts = sentences(512, *words, seed=args.seed)
+    texts = sentences(max(512, 16 * args.inputs_per_request), *words, seed=args.seed)  # at least 16 distinct requests
     limit = None if args.no_limit or args.url or workload is not None else measure_limit_row(args, texts, cores, say)
     plan = _capacity_plan(args, limit)
     csv_file, writer = new_request_log(os.path.join(out, "requests.csv"))
@@ -111,17 +115,15 @@ def run_embed_bench(args) -> int:
             results, oracle_rows = _run_modes(args, names, modes, grid, cores, limit, plan, texts, workload, writer, logs, say)
     finally:
         csv_file.close()
-    generator = None if args.no_generator_check or workload is not None else _generator_check(results, texts, args.seed, say)
+    generator = None if args.no_generator_check or workload is not None else _generator_check(results, texts, args.seed, args.inputs_per_request, say)
 
-    table = report.workload_table(results) if workload is not None else report.capacity_table(results, limit, args.slo)
+    table = report.workload_table(results) if workload is not None else report.capacity_table(results, limit, args.slo, args.inputs_per_request)
     summary = {
         "machine": {**machine, "usable_cores": cores},
         "model": args.model,
         "slo_seconds": args.slo,
         "seed": args.seed,
-        "words": list(words),
-        "quick": args.quick,
-        "workload": args.workload,
+        "words": list(words), "inputs_per_request": args.inputs_per_request, "quick": args.quick, "workload": args.workload,
         "plan": {"step_seconds": plan.step_seconds, "min_judged": plan.min_judged, "settle": plan.settle, "ladder_start": plan.ladder.start, "factor": plan.ladder.factor},
         "limit": limit,
         "modes": [as_dict(r) for r in results],
@@ -146,6 +148,10 @@ def _parse(args, cores: int):
     modes = {n: mode(n, cores) for n in names if n != "oracle"}
     grid = parse_grid(args.grid, cores) if args.grid else None
     words = parse_words(args.words)
+    if args.inputs_per_request < 1:
+        raise ValueError(f"--inputs-per-request: {args.inputs_per_request} (needs a whole number >= 1)")
+    if args.inputs_per_request > 1 and args.workload:
+        raise ValueError("--inputs-per-request: only for the rate ladder; a --workload's arrivals are one input each")
     workload = None
     if args.workload:
         from autotune.bench.workloads import from_spec
@@ -155,22 +161,24 @@ def _parse(args, cores: int):
 
 
 def _capacity_plan(args, limit: dict | None) -> CapacityPlan:
-    start = args.start_rate or (0.35 * limit["sentences_per_second"] if limit else 20.0)
+    n = args.inputs_per_request
+    start = args.start_rate or (0.35 * limit["sentences_per_second"] if limit else 20.0) / n  # rates are requests/s
     return CapacityPlan(
-        ladder=LadderConfig(start=start, factor=1.4 if args.quick else 1.25, refine=1 if args.quick else 2),
+        ladder=LadderConfig(start=start, factor=1.4 if args.quick else 1.25, refine=1 if args.quick else 2, min_rate=0.5 / n),
         step_seconds=args.step_seconds or (6.0 if args.quick else 12.0),
         min_judged=100 if args.quick else 200,
         settle=1 / 3,
         warmup_seconds=4.0 if args.quick else 8.0,
         slo=args.slo,
         seed=args.seed,
+        inputs_per_request=n,
     )
 
 
 def _run_external(args, plan: CapacityPlan, texts: list[str], workload, writer, logs: dict, say) -> ModeResult:
     """The capacity (or the workload's run) of a server already running at --url."""
     log = RunLog(args.url.rstrip("/"))
-    result = ModeResult("external", args.url, {}, {})
+    result = ModeResult("external", args.url, {}, {}, inputs_per_request=plan.inputs_per_request)
     if workload is not None:
         result.workload = replay(log, workload, args.slo, "external", say, writer)
     else:
@@ -195,8 +203,9 @@ def _run_modes(args, names, modes, grid, cores, limit, plan, texts, workload, wr
         for name in names:
             if name == "oracle":
                 fixed = [r.max_qps for r in results if r.max_qps]
-                probe = 1.1 * max(fixed) if fixed else 0.65 * (limit["sentences_per_second"] if limit else 150.0)
-                best, oracle_rows = oracle_sweep(grid or oracle_candidates(cores, args.quick), args.model, probe, 5.0 if args.quick else 8.0, args.slo, texts, args.seed, say)
+                probe = 1.1 * max(fixed) if fixed else 0.65 * (limit["sentences_per_second"] if limit else 150.0) / plan.inputs_per_request
+                best, oracle_rows = oracle_sweep(grid or oracle_candidates(cores, args.quick), args.model, probe, 5.0 if args.quick else 8.0, args.slo, texts, args.seed, say,
+                                                 plan.inputs_per_request)
                 m = Mode("oracle", best, description="best of the static sweep: " + describe(best))
             else:
                 m = modes[name]
@@ -209,15 +218,15 @@ def _run_modes(args, names, modes, grid, cores, limit, plan, texts, workload, wr
     return results, oracle_rows
 
 
-def _generator_check(results: list[ModeResult], texts: list[str], seed: int, say) -> dict:
+def _generator_check(results: list[ModeResult], texts: list[str], seed: int, inputs: int, say) -> dict:
     """Can the load generator itself send 3 × the best mode's rate? (Else the numbers are its.)"""
     from autotune.bench.echo import generator_check
     from autotune.bench.runner import embed_body
 
     best_qps = max((r.max_qps for r in results), default=0.0)
-    rate = max(3 * best_qps, 50.0)
+    rate = max(3 * best_qps, 50.0 / inputs)
     say(f"generator check: {rate:.0f} req/s (3 × the best mode) against an endpoint that answers at once")
-    generator = generator_check(rate, 5.0, embed_body(texts, seed)(0))
+    generator = generator_check(rate, 5.0, embed_body(texts, seed, inputs)(0))
     say(f"generator: {generator['achieved']:.0f} of {rate:.0f} req/s, send lag p99 {generator['lag_p99_ms']:.1f} ms, "
         f"{generator['generator_cpu_cores']:.2f} cores")
     return generator
@@ -250,16 +259,20 @@ def split_modes(text: str) -> list[str]:
 
 
 def measure_limit_row(args, texts: list[str], cores: int, say) -> dict:
+    """The limit as the JSON carries it: the served backend's figures at the top level (what
+    every ratio divides by), fp32's under "float32", and the server's dtype choice."""
     from autotune.bench.limit import measure_limit
     from engine.config import EngineConfig
     from engine.model_source import resolve_model
 
     source = resolve_model(args.model, EngineConfig().cache_dir)
-    say(f"limit: {source.name} in-process (tokenize + forward + pool), no server")
-    limit = measure_limit(source.path, texts, cores, duration=1.0 if args.quick else 2.0, say=say)
-    say(f"limit: {limit.sentences_per_second:.0f} sentences/s ({limit.processes} × {limit.threads}, batch {limit.batch_size})")
-    return {"sentences_per_second": limit.sentences_per_second, "swept": limit.swept, "processes": limit.processes, "threads": limit.threads,
-            "batch_size": limit.batch_size, "table": {k: {str(b): v for b, v in t.items()} for k, t in limit.table.items()}}
+    say(f"limit: {source.name} in-process (tokenize + forward + pool), no server; the served dtype and fp32")
+    limits = measure_limit(source.path, texts, cores, duration=1.0 if args.quick else 2.0, say=say)
+    best = limits.best
+    say(f"limit: {best.sentences_per_second:.0f} sentences/s ({best.dtype}, {best.processes} × {best.threads}, batch {best.batch_size}); "
+        f"fp32 {limits.float32.sentences_per_second:.0f}/s")
+    choice = {k: v for k, v in limits.choice.items() if k in ("requested", "dtype", "mode", "reason", "min_cosine", "bf16_speedup")}
+    return {**best.as_dict(), "backend": "torch", "mode": limits.choice.get("mode"), "choice": choice, "float32": limits.float32.as_dict()}
 
 
 def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
@@ -268,13 +281,21 @@ def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
     lines = []
     best = max(results, key=lambda r: r.max_qps, default=None)
     if best is not None and limit:
-        lines.append(f"best served mode {best.mode}: {best.max_qps:.0f} req/s = {best.max_qps / limit['sentences_per_second']:.2f} × limit ({limit['sentences_per_second']:.0f}/s)")
+        served = best.max_sentences_per_second  # the limit is sentences/s; a request may carry many
+        rate = f"{best.max_qps:.0f} req/s" if best.inputs_per_request == 1 else f"{best.max_qps:.1f} req/s × {best.inputs_per_request} = {served:.0f} sentences/s"
+        lines.append(f"best served mode {best.mode}: {rate} = {served / limit['sentences_per_second']:.2f} × limit ({limit['sentences_per_second']:.0f}/s{_backend(limit)})")
+        if best.dtype and limit.get("dtype") and best.dtype != limit["dtype"]:  # each server's zygote probes on its own
+            lines.append(f"note: {best.mode}'s server served {best.dtype}, the limit is {limit['dtype']}'s: its start-up probe chose otherwise")
+        fp32 = limit.get("float32")
+        if fp32 and fp32["sentences_per_second"] != limit["sentences_per_second"]:
+            lines.append(f"fp32 limit {fp32['sentences_per_second']:.0f}/s: the served backend's limit is {limit['sentences_per_second'] / fp32['sentences_per_second']:.2f} × it; "
+                         f"best served = {served / fp32['sentences_per_second']:.2f} × the fp32 limit")
         batch = (best.at_max or {}).get("batch_items", math.nan)
         if math.isfinite(batch):
             at_batch = limit_at_batch(limit["table"], batch)
             lines.append(
                 f"at the batch size it ran at that rate ({batch:.1f} items per forward), the in-process limit is "
-                f"{at_batch:.0f}/s: {best.max_qps / at_batch:.2f} × that"
+                f"{at_batch:.0f}/s: {served / at_batch:.2f} × that"
             )
     tuned = [r for r in results if r.mode.startswith("autotuned")]
     if "oracle" in by:
@@ -287,6 +308,14 @@ def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
         if fixed:
             lines.append(f"{r.mode} ahead of: {', '.join(ahead) or 'none'}" + (f"; not ahead of: {', '.join(behind)}" if behind else ""))
     return lines
+
+
+def _backend(limit: dict) -> str:
+    """`, bfloat16 bf16-mixed, the server's choice` for a limit that says its backend (older JSON does not)."""
+    if "dtype" not in limit:
+        return ""
+    mode = f" ({limit['mode']})" if limit.get("mode") else ""
+    return f", {limit['dtype']}{mode}: the backend the server serves"
 
 
 def _gap(tuned: ModeResult, fixed: ModeResult, oracle: ModeResult | None) -> str:
@@ -335,7 +364,7 @@ def write_outputs(out: str, summary: dict, table: str, results: list[ModeResult]
             f.write(f"- load generator against an endpoint that answers at once: {g['achieved']:.0f} of {g['offered']:.0f} req/s offered, "
                     f"send lag p99 {g['lag_p99_ms']:.1f} ms, {g['generator_cpu_cores']:.2f} cores\n")
     if not is_workload:
-        report.plot_curves(results, slo, os.path.join(out, "latency-throughput.png"))
+        report.plot_curves(results, slo, os.path.join(out, "latency-throughput.png"), summary.get("limit"), summary.get("inputs_per_request", 1))
     for r in results:
         if r.mode.startswith("autotuned") or is_workload:
             name = r.mode.replace(":", "-").replace(",", "_").replace("=", "")

@@ -35,11 +35,13 @@ class Mode:
     autotune: bool = False
     allow_oversubscription: bool = False
     description: str = ""
+    dtype: str | None = None
+    """model.dtype for its server; None leaves the config's default (auto)."""
 
     def server_config(self, model: str, policy: str | None = None, task: str = "embed") -> dict:
         """The `selftune serve` config for this mode (`task` generate: max_batch_size is running sequences per worker)."""
         config = {
-            "model": {"name": model, "task": task},
+            "model": {"name": model, "task": task, **({"dtype": self.dtype} if self.dtype else {})},
             "concurrency": dataclasses.asdict(self.knobs),
             "server": {"log_level": "warning"},
             "autotune": {"enabled": self.autotune, "allow_oversubscription": self.allow_oversubscription},

@@ -13,10 +13,12 @@ def _ms(seconds) -> str:
     return "–" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1000:.0f}"
 
 
-def capacity_table(results: list[ModeResult], limit: dict | None, slo: float) -> str:
-    """Markdown: per mode max QPS within the SLO and, at that rate, latency, memory, CPU."""
+def capacity_table(results: list[ModeResult], limit: dict | None, slo: float, inputs: int = 1) -> str:
+    """Markdown: per mode max QPS within the SLO and, at that rate, latency, memory, CPU. With
+    `inputs` texts per request, QPS is requests/s with sentences/s beside it."""
+    qps = f"max QPS (p99 ≤ {slo * 1000:.0f} ms)" + (f": req/s (sentences/s, {inputs} per request)" if inputs > 1 else "")
     lines = [
-        f"| mode | configuration | max QPS (p99 ≤ {slo * 1000:.0f} ms) | mean latency (ms) | p99 latency (ms) | items per forward | memory, all processes (MiB) | CPU (cores) | knobs at the end |",
+        f"| mode | configuration | {qps} | mean latency (ms) | p99 latency (ms) | items per forward | memory, all processes (MiB) | CPU (cores) | knobs at the end |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -26,15 +28,32 @@ def capacity_table(results: list[ModeResult], limit: dict | None, slo: float) ->
         cpu = at.get("cpu_cores")
         batch = at.get("batch_items", math.nan)
         lines.append(
-            f"| {r.mode} | {r.description} | **{r.max_qps:.0f}** | {_ms(at.get('mean'))} | {_ms(at.get('p99'))} | "
+            f"| {r.mode} | {r.description}{f', {r.dtype}' if r.dtype else ''} | {_rate(r.max_qps, inputs)} | {_ms(at.get('mean'))} | {_ms(at.get('p99'))} | "
             f"{f'{batch:.1f}' if math.isfinite(batch) else '–'} | {r.memory_mib:.0f} | {'–' if cpu is None else f'{cpu:.2f}'} | {end} |"
         )
     if limit is not None:
-        lines.append(
-            f"| limit | in-process, no server: {limit['processes']} × {limit['threads']}, batch {limit['batch_size']} | "
-            f"**{limit['sentences_per_second']:.0f}** | | | {limit['batch_size']} | | | |"
-        )
+        lines += limit_rows(limit, inputs)
     return "\n".join(lines)
+
+
+def _rate(requests_per_second: float, inputs: int) -> str:
+    if inputs == 1:
+        return f"**{requests_per_second:.0f}**"
+    return f"**{requests_per_second:.1f}** ({requests_per_second * inputs:.0f})"
+
+
+def limit_rows(limit: dict, inputs: int = 1) -> list[str]:
+    """The limit row (the backend the server serves) and, when that is not fp32, fp32's beside it."""
+    fp32 = limit.get("float32")
+    mode = f" ({limit['mode']})" if limit.get("mode") else ""
+    rows = [("limit", limit, f"{limit.get('dtype', 'float32')}{mode}, the backend the server serves")]
+    if fp32 and fp32.get("dtype") != limit.get("dtype"):
+        rows.append(("limit, fp32", fp32, "float32, for comparison"))
+    return [
+        f"| {name} | in-process, no server, {what}: {row['processes']} × {row['threads']}, batch {row['batch_size']} | "
+        f"{_rate(row['sentences_per_second'] / inputs, inputs)} | | | {row['batch_size']} | | | |"
+        for name, row, what in rows
+    ]
 
 
 def workload_table(results: list[ModeResult]) -> str:
@@ -55,8 +74,9 @@ def workload_table(results: list[ModeResult]) -> str:
     return "\n".join(lines)
 
 
-def plot_curves(results: list[ModeResult], slo: float, path: str) -> None:
-    """Latency–throughput curves: p99 (solid) and mean (dotted) against the offered rate, per mode."""
+def plot_curves(results: list[ModeResult], slo: float, path: str, limit: dict | None = None, inputs: int = 1) -> None:
+    """Latency–throughput curves: p99 (solid) and mean (dotted) against the offered rate, per
+    mode; the limit (the served backend's) and the fp32 limit as vertical lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,17 +89,30 @@ def plot_curves(results: list[ModeResult], slo: float, path: str) -> None:
             continue
         x = [s["offered"] for s in steps]
         color = f"C{i % 10}"
-        ax.plot(x, [s["p99"] * 1000 for s in steps], "o-", color=color, label=f"{r.mode} p99 (max {r.max_qps:.0f}/s)")
+        ax.plot(x, [s["p99"] * 1000 for s in steps], "o-", color=color, label=f"{r.mode} p99 (max {r.max_qps:.3g}/s)")
         ax.plot(x, [s["mean"] * 1000 for s in steps], ":", color=color, lw=1)
     ax.axhline(slo * 1000, color="k", ls="--", lw=0.8, label="SLO")
+    for row, style, name in _limit_lines(limit):
+        sps = row["sentences_per_second"]
+        ax.axvline(sps / inputs, color="k", ls=style, lw=1, label=f"{name}: {sps:.0f} sentences/s" + (f" = {sps / inputs:.1f} req/s" if inputs > 1 else ""))
     ax.set_yscale("log")
-    ax.set_xlabel("offered load (requests/s, Poisson)")
+    ax.set_xlabel("offered load (requests/s, Poisson)" + (f", {inputs} texts per request" if inputs > 1 else ""))
     ax.set_ylabel("latency (ms): p99 solid, mean dotted")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _limit_lines(limit: dict | None) -> list[tuple[dict, str, str]]:
+    if not limit:
+        return []
+    lines = [(limit, "-.", f"limit, {limit.get('dtype', 'float32')}")]
+    fp32 = limit.get("float32")
+    if fp32 and fp32.get("dtype") != limit.get("dtype"):
+        lines.append((fp32, ":", "limit, float32"))
+    return lines
 
 
 def _requests(log: RunLog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -49,6 +49,8 @@ class CapacityPlan:
     warmup_seconds: float
     slo: float
     seed: int = 0
+    inputs_per_request: int = 1
+    """Texts per request (indexing clients send 32-256): rates stay requests/s, the limit is sentences/s."""
 
     def seconds_at(self, rate: float) -> float:
         """A step's length at `rate`: step_seconds, or longer (at most 3 ×) when that judges fewer than min_judged requests."""
@@ -71,6 +73,13 @@ class ModeResult:
     """With a workload spec: throughput, goodput, latency percentiles, attainment."""
     timeline: list[dict] = field(default_factory=list)
     """Every second: elapsed time and the knobs the server had."""
+    inputs_per_request: int = 1
+    dtype: str = ""
+    """The dtype its server served (/stats model.dtype: its own start-up choice); empty if not known."""
+
+    @property
+    def max_sentences_per_second(self) -> float:
+        return self.max_qps * self.inputs_per_request
 
 
 class RunLog:
@@ -121,10 +130,15 @@ def knob_changes(rows: list[dict]) -> list[tuple[float, Knobs]]:
     return out
 
 
-def embed_body(texts: list[str], seed: int) -> Callable[[int], bytes]:
-    """Request i embeds one text, picked by a seeded permutation (the same for every mode)."""
+def embed_body(texts: list[str], seed: int, inputs: int = 1) -> Callable[[int], bytes]:
+    """Request i embeds one text (or the next `inputs` texts, as a list), in the order of a
+    seeded permutation (the same for every mode)."""
     order = np.random.default_rng(seed).permutation(len(texts))
-    bodies = [json.dumps({"model": MODEL_NAME, "input": texts[j], "encoding_format": "base64"}).encode() for j in order]
+    if inputs == 1:
+        chosen = [texts[j] for j in order]
+    else:
+        chosen = [[texts[order[(k + j) % len(order)]] for j in range(inputs)] for k in range(0, len(order), inputs)]
+    bodies = [json.dumps({"model": MODEL_NAME, "input": x, "encoding_format": "base64"}).encode() for x in chosen]
     return lambda i: bodies[i % len(bodies)]
 
 
@@ -146,7 +160,7 @@ def start_server(mode: Mode, model: str, workdir: str, policy: str | None = None
 
 def capacity(url: str, cpu_seconds: Callable[[], float] | None, log: RunLog, plan: CapacityPlan, texts: list[str], label: str, say: Say, writer=None) -> tuple[float, list[StepResult]]:
     """Warm up at the ladder's first rate, then climb and bisect; (max QPS within SLO, steps)."""
-    body = embed_body(texts, plan.seed)
+    body = embed_body(texts, plan.seed, plan.inputs_per_request)
     say(f"[{label}] warm-up: {plan.ladder.start:.0f} req/s for {plan.warmup_seconds:g} s")
     warm_up(log, plan.ladder.start, plan.warmup_seconds, body)
     ladder = RateLadder(plan.ladder)
@@ -188,7 +202,7 @@ def run_mode(
     say(f"[{mode.name}] starting: {mode.description}")
     server = start_server(mode, model, workdir, policy)
     log = RunLog(server.url)
-    result = ModeResult(mode.name, mode.description, mode.knobs.as_dict(), {})
+    result = ModeResult(mode.name, mode.description, mode.knobs.as_dict(), {}, inputs_per_request=plan.inputs_per_request if plan else 1)
     try:
         if workload is None:
             result.max_qps, steps = capacity(server.url, server.cpu_seconds, log, plan, texts, mode.name, say, writer)
@@ -200,7 +214,8 @@ def run_mode(
             wait_idle(server.url)
             result.workload = replay(log, workload, slo, mode.name, say, writer)
         result.memory_mib = server.memory_bytes() / 2**20
-        result.final_knobs = httpx.get(server.url + "/stats", timeout=10).json()["knobs"]
+        stats = httpx.get(server.url + "/stats", timeout=10).json()
+        result.final_knobs, result.dtype = stats["knobs"], (stats.get("model") or {}).get("dtype") or ""
         result.timeline = log.rows
     finally:
         log.close()
@@ -270,12 +285,13 @@ def write_results(writer, label: str, rate: float, results: list[Result]) -> Non
 REQUEST_COLUMNS = ["mode", "offered_rate", "sent_at", "status", "latency", "lag", *loadgen.STAGE_HEADERS]
 
 
-def oracle_sweep(candidates: list[Knobs], model: str, probe_rate: float, probe_seconds: float, slo: float, texts: list[str], seed: int, say: Say) -> tuple[Knobs, list[dict]]:
+def oracle_sweep(candidates: list[Knobs], model: str, probe_rate: float, probe_seconds: float, slo: float, texts: list[str], seed: int, say: Say,
+                 inputs: int = 1) -> tuple[Knobs, list[dict]]:
     """Each static candidate at one rate near capacity on one server (knobs set through the
     admin API); the best is the one with the lowest p99 there (the most headroom), among those
     that answered ≥ 99 % of requests. A rate deep in overload would rank by how a collapsing
     queue behaves, not by the highest rate that meets the SLO."""
-    body = embed_body(texts, seed)
+    body = embed_body(texts, seed, inputs)
     probe = Mode("oracle-sweep", candidates[0], allow_oversubscription=True)
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
@@ -319,4 +335,4 @@ def new_request_log(path: str, columns: list[str] = REQUEST_COLUMNS):
 
 
 def as_dict(result: ModeResult) -> dict:
-    return asdict(result)
+    return {**asdict(result), "max_sentences_per_second": result.max_sentences_per_second}

@@ -28,7 +28,8 @@ def register(subparsers) -> None:
     """Add the profile, simulate and tune subcommands to the `selftune` parser."""
     p = subparsers.add_parser("profile", help="measure the model on this machine and fit a cost model")
     p.add_argument("--model", default="builtin:minilm")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model.dtype to profile: auto (the default) measures what the server chooses on this CPU (the zygote's own choice)")
     p.add_argument("--quick", action="store_true", help="a small grid (under ~3 minutes on 2 cores)")
     p.add_argument("--out", default="costmodel.json", help="cost model JSON to write (a PNG goes beside it); "
                    "`simulate`/`tune`/`validate --cost-model` take it")
@@ -40,6 +41,7 @@ def register(subparsers) -> None:
     s.add_argument("--workload", required=True, help="`kind:key=value,...` (see autotune/bench/workloads.py) or a YAML file")
     s.add_argument("--policy", default=STATIC_POLICY, help="policy file or builtin:NAME (as `selftune serve --policy`)")
     s.add_argument("--cost-model", default=DEFAULT_COST_MODEL, help="cost model JSON or builtin:NAME (default: %(default)s)")
+    _dtype_argument(s)
     s.add_argument("--slo", type=float, default=0.5, help="latency objective in seconds")
     _sim_arguments(s)
     s.add_argument("--out", help="directory for simulation.json and simulation.png")
@@ -64,6 +66,7 @@ def register(subparsers) -> None:
     v.add_argument("--cost-model", default=DEFAULT_COST_MODEL, help="cost model JSON or builtin:NAME (default: %(default)s); "
                    f"--calibrate writes into it, or into ./{CALIBRATED_COST_MODEL} for a builtin one")
     v.add_argument("--model", default="builtin:minilm")
+    _dtype_argument(v)
     v.add_argument("--slo", type=float, default=0.5)
     _sim_arguments(v)
     v.add_argument("--calibrate", action="store_true", help="first measure what the simulator does not model on a live server (a "
@@ -72,6 +75,24 @@ def register(subparsers) -> None:
     v.add_argument("--out", help="directory for validate.json, validate.md and validate.png")
     v.add_argument("--json", action="store_true")
     v.set_defaults(run=run_validate, knobs_default="process_count=2,threads_per_process=1,max_batch_size=16,batch_timeout=0.005")
+
+
+def _dtype_argument(parser) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="model.dtype of the server simulated (and, for validate, started): the cost model must have been measured with it")
+
+
+def load_checked_cost_model(spec: str, dtype: str):
+    """The cost model at `spec`, held against model.dtype `dtype` (costmodel.check_dtype): a
+    ValueError naming both when they certainly differ, a warning on stderr when they may."""
+    from autotune.offline.costmodel import check_dtype, load_cost_model
+    from engine.loading import native_bf16
+
+    model = load_cost_model(str(shipped.resolve(spec, shipped.COST_MODEL)))
+    warning = check_dtype(model, dtype, native_bf16("cpu") if dtype == "auto" else None, f"cost model {spec}")
+    if warning:
+        say(f"warning: {warning}")
+    return model
 
 
 def _sim_arguments(parser) -> None:
@@ -129,10 +150,12 @@ def run_profile(args) -> int:
     plot(model, png)
     fit = model.fit
     say(f"cost model: {args.out} (+ {png})")
+    b = model.backend
+    say(f"  measured as {b['name']} {b['dtype']} ({b['mode']}); model.dtype {b['requested']}: {b['reason']}")
     say("  t = (a + b·B·L + c·B·L²)/speedup(threads) × contention + o·oversubscription")
     say("  " + ", ".join(f"{n}={v:.4g}" for n, v in zip("abcfsko", model.coefficients())))
     say(f"  {len(model.points)} points, {fit['heldout_points']} held out: held-out MAPE {fit['heldout_mape']:.1%}, max {fit['heldout_max_ape']:.1%} (train {fit['train_mape']:.1%})")
-    emit({"cost_model": args.out, "png": png, "fit": fit, "coefficients": model.to_json()["coefficients"], "machine": model.machine}, args.json)
+    emit({"cost_model": args.out, "png": png, "fit": fit, "coefficients": model.to_json()["coefficients"], "backend": model.backend, "machine": model.machine}, args.json)
     return 0
 
 
@@ -140,14 +163,13 @@ def run_profile(args) -> int:
 
 
 def run_simulate(args) -> int:
-    from autotune.offline.costmodel import load_cost_model
     from autotune.offline.simulator import plot_timeline, simulate
     from policies.loader import load_policy
 
     try:
         arrivals = load_workload(args.workload)
         policy = load_policy(str(shipped.resolve(args.policy, shipped.POLICY)))
-        cost_model = load_cost_model(str(shipped.resolve(args.cost_model, shipped.COST_MODEL)))
+        cost_model = load_checked_cost_model(args.cost_model, args.dtype)
         config = sim_config(args, args.slo, serving=cost_model.serving)
     except (ValueError, OSError) as exc:  # a PolicyError is a ValueError
         print(f"selftune simulate: {exc}", file=sys.stderr)
@@ -242,7 +264,6 @@ def run_tune(args) -> int:
 
 def _tune_problem(args, config: dict, spec: dict):
     """The tune config's simulator, workloads, cost model and search space as one Problem."""
-    from autotune.offline.costmodel import load_cost_model
     from autotune.offline.tuner import Problem
 
     objective = args.objective or config.get("objective", "goodput")
@@ -254,7 +275,10 @@ def _tune_problem(args, config: dict, spec: dict):
             raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k != 'knobs')}")
         setattr(defaults, key, value)
     knobs = Knobs(**config.get("knobs", {}))
-    cost_model = load_cost_model(str(shipped.resolve(config.get("cost_model", DEFAULT_COST_MODEL), shipped.COST_MODEL)))
+    try:  # the tune config's `dtype`: the model.dtype of the server being tuned for
+        cost_model = load_checked_cost_model(config.get("cost_model", DEFAULT_COST_MODEL), config.get("dtype", "auto"))
+    except ValueError as exc:
+        raise SystemExit(f"{args.config}: {exc}") from None
     problem = Problem(
         spec=spec,
         workloads=[load_workload(w) for w in config.get("workloads", [])],
@@ -284,12 +308,11 @@ def _report_tune(r: dict) -> None:
 def run_validate(args) -> int:
     import dataclasses
 
-    from autotune.offline.costmodel import load_cost_model
     from autotune.offline.validate import calibrate, plot, table, validate
     from autotune.bench.workloads import poisson
 
     try:
-        cost_model = load_cost_model(str(shipped.resolve(args.cost_model, shipped.COST_MODEL)))
+        cost_model = load_checked_cost_model(args.cost_model, args.dtype)
         policy = str(shipped.resolve(args.policy, shipped.POLICY)) if args.policy else None
         config = sim_config(args, args.slo, serving=cost_model.serving)
         low, _, high = args.length.partition("-")
@@ -304,14 +327,14 @@ def run_validate(args) -> int:
         return 2
     if args.calibrate:
         light, busy = poisson(30.0, 15.0, length, seed=99), poisson(args.calibrate_rate, 15.0, length, seed=98)
-        serving = calibrate(config.knobs, args.model, light, busy, cost_model, config.cores, say)
+        serving = calibrate(config.knobs, args.model, light, busy, cost_model, config.cores, say, args.dtype)
         cost_model = dataclasses.replace(cost_model, serving=serving)
         # A shipped cost model is never rewritten: it may live inside an installed package.
         target = CALIBRATED_COST_MODEL if args.cost_model.startswith(shipped.BUILTIN) else args.cost_model
         cost_model.save(target)
         say(f"wrote the serving costs into {target}")
         config = sim_config(args, args.slo, serving=serving)
-    rows = validate(workloads, config.knobs, policy, cost_model, config, args.model, args.slo, say)
+    rows = validate(workloads, config.knobs, policy, cost_model, config, args.model, args.slo, say, args.dtype)
     text = table(rows)
     print(text)
     if args.out:

@@ -2,6 +2,8 @@
 
 The simulator asks a cost model for every batch's service time. A fitted model comes from
 `selftune profile` (real forward passes on this machine); a deterministic one is for tests.
+A fitted model states the backend and dtype it was measured with (`backend`); `check_dtype`
+holds it against the model.dtype being simulated (bf16 runs MiniLM 1.5-2x faster than fp32).
 
 The fitted form is physically motivated rather than a free-form regression, so it
 extrapolates sensibly past the profiled grid:
@@ -69,6 +71,9 @@ class FittedCostModel:
     """Per-request costs outside the workers, measured on a live server by `selftune validate
     --calibrate`: request_overhead_seconds and model_time_factor (the simulator's defaults), and
     front_cpu_seconds_per_request (reported; the busy model_time_factor already carries it)."""
+    backend: dict = field(default_factory=dict)
+    """What the forward passes ran as: name (torch), dtype (float32, bfloat16: mixed), mode, and
+    the model.dtype the profile was asked for (`requested`: auto, or a forced dtype)."""
 
     def service_time(self, batch_size: int, padded_length: int, threads: int, active_workers: int, cores: int) -> float:
         return float(
@@ -86,7 +91,8 @@ class FittedCostModel:
         return np.array([getattr(self, name) for name in COEFFICIENTS], float)
 
     def to_json(self) -> dict:
-        return {"form": FORM, "coefficients": {n: getattr(self, n) for n in COEFFICIENTS}, "machine": self.machine, "fit": self.fit, "serving": self.serving, "points": self.points}
+        return {"form": FORM, "coefficients": {n: getattr(self, n) for n in COEFFICIENTS}, "backend": self.backend, "machine": self.machine,
+                "fit": self.fit, "serving": self.serving, "points": self.points}
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -102,6 +108,8 @@ class FittedCostModel:
             fit=data.get("fit", {}),
             points=data.get("points", []),
             serving=data.get("serving", {}),
+            # files from before the backend was recorded: the profiler wrote the dtype it was given into `machine`
+            backend=data.get("backend") or ({"name": "torch", "dtype": data["machine"]["dtype"]} if "dtype" in data.get("machine", {}) else {}),
         )
 
 
@@ -114,6 +122,36 @@ def load_cost_model(path: str) -> FittedCostModel:
         except ValueError as exc:
             raise ValueError(f"{path}: serving.{exc}") from None
     return model
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""model.dtype's values (autotune/settings.py)."""
+
+
+def check_dtype(model: "FittedCostModel", requested: str, native_bf16: tuple[bool, str] | None, source: str = "the cost model") -> str | None:
+    """Whether `model` was measured with the dtype a server with `model.dtype: requested` serves:
+    ValueError when it certainly was not, a warning (returned) when it may not have been, None
+    when it was. `native_bf16` is engine.loading.native_bf16 on the simulated CPU (for auto)."""
+    if requested not in DTYPES:
+        raise ValueError(f"model.dtype: {requested!r}: expected one of {', '.join(DTYPES)}")
+    measured = model.backend.get("dtype")
+    if measured is None:
+        return f"{source} does not say which dtype it was measured with; model.dtype is {requested}"
+    hint = f"profile with `selftune profile --dtype {requested}`"
+    if requested != "auto":
+        if measured != requested:
+            raise ValueError(f"{source} was measured with dtype {measured}, but model.dtype is {requested}: {hint}, or simulate --dtype {measured}")
+        return None
+    if model.backend.get("requested") == "auto":
+        return None  # profiled the way the server chooses: the choice it measured is auto's on that machine
+    if native_bf16 is not None and not native_bf16[0]:
+        if measured != "float32":  # without native bf16, auto always serves fp32
+            raise ValueError(f"{source} was measured with dtype {measured}, but model.dtype auto serves float32 on this CPU ({native_bf16[1]}): {hint}")
+        return None
+    if measured == "float32":
+        return (f"{source} was measured in float32, but model.dtype auto serves bfloat16 on a CPU with native bf16 where it holds "
+                f"fidelity and measures faster (1.5-2x for MiniLM): simulated batches take fp32's time; {hint}, or simulate --dtype float32")
+    return None
 
 
 SPREADS = ("request_overhead_percentiles", "model_time_percentiles")

@@ -44,7 +44,7 @@ def compare(live: dict, sim: dict) -> dict:
     return out
 
 
-def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tuple[float, int]], cost_model, cores: int, say) -> dict:
+def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tuple[float, int]], cost_model, cores: int, say, dtype: str | None = None) -> dict:
     """What the simulator does not model, measured on one live server: a light load, then a busy one.
 
     request_overhead_seconds (light load): median of (client latency - queue - model time),
@@ -62,7 +62,7 @@ def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tupl
     """
     import numpy as np
 
-    light_results, busy_results, cpu, idle_cores = _serve_calibration_loads(model, knobs, light, busy)
+    light_results, busy_results, cpu, idle_cores = _serve_calibration_loads(model, knobs, light, busy, dtype)
 
     def answered(results):
         return [r for r in results if r.status == 200 and "queue" in r.stages and "model" in r.stages and len(r.batch) == 3]
@@ -95,7 +95,7 @@ def calibrate(knobs, model: str, light: list[tuple[float, int]], busy: list[tupl
     return serving
 
 
-def _serve_calibration_loads(model: str, knobs, light, busy):
+def _serve_calibration_loads(model: str, knobs, light, busy, dtype: str | None = None):
     """One server with `knobs`: the light load, then the busy one. Returns their results, the
     front + client CPU seconds the light one took (idle cost subtracted) and that idle cost."""
     import time
@@ -105,7 +105,7 @@ def _serve_calibration_loads(model: str, knobs, light, busy):
     from autotune.bench import loadgen
     from autotune.bench.runner import RunLog, embed_body, start_server, token_bodies, wait_idle, warm_up
 
-    mode = Mode("calibrate", knobs, description=describe(knobs))
+    mode = Mode("calibrate", knobs, description=describe(knobs), dtype=dtype)
     light_bodies, busy_bodies = token_bodies(light), token_bodies(busy, len(light))
     with tempfile.TemporaryDirectory() as workdir:
         server = start_server(mode, model, workdir)
@@ -141,12 +141,13 @@ def percentiles(values) -> list[float]:
     return [float(v) for v in np.percentile(np.asarray(values, float), np.arange(101))]
 
 
-def validate(workloads: list[tuple[str, list]], knobs, policy_path: str | None, cost_model, sim_config, model: str, slo: float, say) -> list[dict]:
+def validate(workloads: list[tuple[str, list]], knobs, policy_path: str | None, cost_model, sim_config, model: str, slo: float, say,
+             dtype: str | None = None) -> list[dict]:
     """One row per (label, arrivals): the live summary, the simulated one and their comparison."""
     from autotune.offline.simulator import simulate
     from policies.loader import load_policy
 
-    mode = Mode("validate", knobs, autotune=policy_path is not None, description=describe(knobs))
+    mode = Mode("validate", knobs, autotune=policy_path is not None, description=describe(knobs), dtype=dtype)
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for label, arrivals in workloads:
