@@ -142,10 +142,14 @@ class GenerationRunner:
     """
 
     def __init__(self, model, eos_token_ids: Iterable[int], max_running: int = 16, kv_tokens: int | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, kv_ceiling: int | None = None):
         self._model = model
         self.kv_tokens = kv_tokens
-        """Cap on the cache's token slots (rows × columns); None: no cap."""
+        """Cap on the cache's token slots (rows × columns); None: no cap. Live: lowering it
+        preempts the youngest rows at the next step (one row alone may still pass it)."""
+        self.kv_ceiling = kv_tokens if kv_ceiling is None else kv_ceiling
+        """What `add` checks a sequence against: the most the cap may ever be, so lowering the
+        cap live never turns a queued request into an error."""
         self.prefill_chunk = prefill_chunk
         """Most prompt tokens one step prefills; a longer prompt is prefilled over several steps
         while the running rows keep decoding (None: whole prompts at once)."""
@@ -211,8 +215,8 @@ class GenerationRunner:
                 f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.params.max_tokens}) exceeds "
                 f"the model's context of {self._max_positions} positions"
             )
-        if self.kv_tokens is not None and total > self.kv_tokens:
-            raise ValueError(f"prompt + max_tokens ({total}) exceeds the KV cache's {self.kv_tokens} token slots")
+        if self.kv_ceiling is not None and total > self.kv_ceiling:
+            raise ValueError(f"prompt + max_tokens ({total}) exceeds the KV cache's {self.kv_ceiling} token slots")
         self._waiting[request.seq_id] = _Sequence(request, self._make_generator(request.params), self._eos)
 
     def abort(self, seq_id: int) -> bool:
@@ -277,7 +281,7 @@ class GenerationRunner:
             head = next(iter(self._waiting.values()))
             wider = max(columns, len(head.context_ids))
             if self.kv_tokens is not None and rows and (rows + 1) * (wider + KV_RESERVE) > self.kv_tokens:
-                break  # an empty batch always takes the head: add() checked it fits alone
+                break  # an empty batch always takes the head: add() checked it fits the ceiling
             tokens += len(head.context_ids)
             if admitted and self.prefill_chunk and tokens > self.prefill_chunk:
                 break  # one step prefills at most prefill_chunk tokens (the first prompt may go on in chunks)
@@ -290,7 +294,7 @@ class GenerationRunner:
         sequence samples its first token and joins like a newly prefilled one."""
         part = self._partial
         context = part.seq.context_ids
-        end = min(len(context), part.done + self.prefill_chunk)
+        end = min(len(context), part.done + (self.prefill_chunk or len(context)))  # the chunk knob may have gone to 0 (whole)
         ids = torch.tensor([context[part.done:end]], dtype=torch.long, device=self._device)
         mask = torch.ones((1, end), dtype=torch.long, device=self._device)
         positions = torch.arange(part.done, end, dtype=torch.long, device=self._device)[None]
