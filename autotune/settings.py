@@ -130,8 +130,9 @@ class MonitorsSection(Section):
 
 class AutotuneSection(Section):
     enabled: bool = True
-    policy: str = "builtin:default"
-    """Policy file: `builtin:NAME` for a shipped one, or a path (relative: to the current directory)."""
+    policy: str = "auto"
+    """Policy file: `builtin:NAME` for a shipped one, or a path (relative: to the current directory);
+    auto: builtin:default for embeddings, builtin:generate for generation (ServerConfig resolves it)."""
     interval_seconds: Annotated[float, Field(gt=0, le=3600)] = 2.0
     cooldown_seconds: Annotated[float, Field(ge=0, le=3600)] = 4.0
     dry_run: bool = False
@@ -158,6 +159,14 @@ class ServerConfig(Section):
     monitors: MonitorsSection = MonitorsSection()
     autotune: AutotuneSection = AutotuneSection()
     admin: AdminSection = AdminSection()
+
+    @model_validator(mode="after")
+    def _task_policy(self):
+        # The task decides the default policy: generation is tuned against TTFT and ITL, not a batch p99.
+        if self.autotune.policy == "auto":
+            policy = "builtin:generate" if self.model.task == "generate" else "builtin:default"
+            self.autotune = self.autotune.model_copy(update={"policy": policy})
+        return self
 
     def bounds_obj(self) -> Bounds:
         base = Bounds()

@@ -104,3 +104,21 @@ def test_the_config_sets_the_generation_knobs_and_their_bounds(tmp_path):
     path.write_text("concurrency:\n  max_batch_tokens: 64\n  kv_tokens: 4096\nbounds:\n  kv_tokens: {min: 1024, max: 8192}\n")
     config = load_config(path).engine_config()
     assert (config.knobs.max_batch_tokens, config.knobs.kv_tokens, config.bounds.kv_tokens) == (64, 4096, (1024, 8192))
+
+
+def test_a_generating_engines_observations_carry_ttft_itl_and_the_workers_sequences(engine):
+    from autotune.controller import ControllerConfig, DecisionLoop
+    from autotune.telemetry import Telemetry
+    from policies.generate import GeneratePolicy
+
+    telemetry = Telemetry(engine, window=60.0)
+    telemetry.sample_now()
+    for prompt in ENGINE_PROMPTS:
+        list(engine.generate(prompt, SamplingParams(max_tokens=20, temperature=0)))
+    observation = telemetry.sample_now()
+    ttft, itl = observation.load.latency["ttft"], observation.load.latency["itl"]
+    assert ttft.count == len(ENGINE_PROMPTS) and itl.count >= 19 * len(ENGINE_PROMPTS) and 0 < itl.p99 and 0 < ttft.p99
+    (worker,) = observation.workers
+    assert worker.kv_tokens_total == engine.info.kv_tokens and worker.running_sequences == 0
+    entry = DecisionLoop(GeneratePolicy(), engine.config.bounds, ControllerConfig()).entry(observation, engine.knobs, None, None, "x", "y")
+    assert entry["observation"]["itl_p99_seconds"] == round(itl.p99, 5) and entry["observation"]["preemptions"] == 0
