@@ -8,12 +8,18 @@ makes at most one move, the first of these that applies:
    `cooldown_seconds`: hold, nothing measured under the current knobs yet;
 2. preemptions in the window: the KV cap thrashes (each one recomputes a sequence). If the
    kv_tokens knob is what binds (set, and the workers run at it, below their ceiling), double it
-   (up to 0, the whole ceiling); else fewer running sequences (max_batch_size × decrease_factor);
+   (up to 0, the whole ceiling); else, if max_batch_size lets in more rows than the fullest
+   worker's cache holds at its rows' current width (with 10 % to spare), fewer running sequences:
+   down to that, by at most decrease_factor a decision; else hold (the rows outgrew the cache
+   while running: the preemptions themselves bring it back);
 3. ITL p99 over its objective: a decode step is too slow. If the prompt tokens one step prefills
    (a mean prompt, the prompt tokens arriving during one step, or those waiting in the workers) pass
    half of max_batch_tokens, halve it, not below `min_batch_tokens` (a step that prefills a whole
-   chunk is the slow one; a chunk prompts never fill would change nothing); else, with full batches, fewer running sequences (a step's cost grows with its
-   rows); else more threads per worker and fewer workers (the same rows on more cores);
+   chunk is the slow one; a chunk prompts never fill would change nothing); else, with full
+   batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
+   or too few first tokens to judge it while sequences queue (capacity is short: fewer rows would
+   only lengthen the queue; hold); else more threads per worker and fewer workers (the same
+   rows on more cores: a bet that a step of more threads is faster, true on a quiet CPU);
 4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective): when
    sequences queue (in the front or in a worker) and batches are full, a larger batch (+
    `growth_step`; continuous batching makes more tokens per second at a larger batch), else one
@@ -77,10 +83,13 @@ class GeneratePolicy:
         ttft = observation.load.latency.get("ttft")
         ttft_p99 = ttft.p99 if ttft is not None and ttft.count >= p.min_requests else None
         state = f"TTFT p99 {_ms(ttft_p99)} of {_ms(p.ttft_p99_seconds)}, ITL p99 {_ms(itl.p99)} of {_ms(p.itl_p99_seconds)}"
+        ttft_over = ttft_p99 is not None and ttft_p99 > p.ttft_p99_seconds
+        # Too few first tokens to judge TTFT (a slow, queued engine makes few): a queue says the same.
+        short = ttft_over or (ttft_p99 is None and _queueing(observation))
         move = (
             self._kv_thrash(observation, knobs, bounds)
-            or (self._itl_over(observation, knobs, bounds) if itl.p99 > p.itl_p99_seconds else None)
-            or (self._ttft_over(observation, knobs, bounds) if ttft_p99 is not None and ttft_p99 > p.ttft_p99_seconds else None)
+            or (self._itl_over(observation, knobs, bounds, short) if itl.p99 > p.itl_p99_seconds else None)
+            or (self._ttft_over(observation, knobs, bounds) if ttft_over else None)
         )
         if move is None:
             return Decision(knobs, f"{state}: holding")
@@ -100,14 +109,24 @@ class GeneratePolicy:
         running_at = max((w.kv_tokens_total for w in ready), default=0)
         if knobs.kv_tokens and running_at >= knobs.kv_tokens:
             return knobs.replace(kv_tokens=clamp_knob(bounds, "kv_tokens", knobs.kv_tokens * 2)), f"{why}, the KV cap binds"
-        return self._fewer_sequences(knobs, bounds), f"{why} at the KV ceiling"
+        fullest = max(ready, key=lambda w: w.kv_tokens_used)
+        if not fullest.running_sequences or not fullest.kv_tokens_used or not fullest.kv_tokens_total:
+            return self._fewer_sequences(knobs, bounds), f"{why} at the KV ceiling"
+        width = fullest.kv_tokens_used / fullest.running_sequences
+        fits = max(1, int(0.9 * fullest.kv_tokens_total / width))
+        if knobs.max_batch_size <= fits:
+            return None  # the limit already fits the cache: the rows grew into it, preemption copes
+        smaller = max(fits, int(knobs.max_batch_size * self.params.decrease_factor))
+        return knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", smaller)), f"{why}: {fits} rows of {width:.0f} slots fit the KV cache"
 
-    def _itl_over(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str]:
+    def _itl_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, short: bool) -> tuple[Knobs, str]:
         chunk = knobs.max_batch_tokens
         half = max(self.params.min_batch_tokens, chunk // 2) if chunk else 256  # 0 prefilled whole prompts: start chunking
         if (chunk == 0 or chunk > self.params.min_batch_tokens) and _prefill_per_step(observation) > half:
             return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", half)), "ITL over with prompts prefilling: smaller prefill chunks"
         if self._batches_full(observation, knobs):
+            if short:  # fewer rows would cut the tokens per second that a queue already lacks
+                return knobs, "ITL over with full batches and TTFT over (or sequences queued): capacity short, holding"
             return self._fewer_sequences(knobs, bounds), "ITL over with full batches: fewer rows per step"
         return self._layout(knobs, bounds, knobs.process_count - 1), "ITL over: more threads per step"
 
@@ -115,8 +134,7 @@ class GeneratePolicy:
         itl = observation.load.latency["itl"]
         if itl.p99 > self.params.headroom * self.params.itl_p99_seconds:
             return knobs, f"TTFT over but ITL has no headroom (> {self.params.headroom:g} × its objective): capacity short, holding"
-        load = observation.load
-        queueing = load.queue_depth > 0 or any(w.waiting_sequences for w in observation.workers)
+        queueing = _queueing(observation)
         full = self._batches_full(observation, knobs)
         if queueing and full and knobs.max_batch_size < bounds.max_batch_size[1]:
             grown = clamp_knob(bounds, "max_batch_size", knobs.max_batch_size + self.params.growth_step)
@@ -155,6 +173,11 @@ def _prefill_per_step(observation: Observation) -> float:
     waiting = sum(w.waiting_sequences for w in observation.workers)
     arriving = load.input_tokens_per_second * (itl.mean or 0.0) if itl is not None else 0.0
     return max(prompt, arriving, waiting * prompt)
+
+
+def _queueing(observation: Observation) -> bool:
+    """Sequences wait for a place: in the front's queue or inside a worker."""
+    return observation.load.queue_depth > 0 or any(w.waiting_sequences for w in observation.workers)
 
 
 def _ready(observation: Observation):

@@ -35,10 +35,14 @@ def test_both_objectives_met_holds():
 def test_preemptions_double_a_binding_kv_cap_and_shrink_the_batch_at_the_ceiling():
     binding = decide(gen_obs(0, preemptions=3, kv_total=4096), START.replace(kv_tokens=4096))
     assert binding.knobs.kv_tokens == 8192 and "KV cap binds" in binding.reason
+    # 4 rows hold 2048 of 4096 slots: 512 wide, 7 such rows fit (10 % spare); 16 may run
     ceiling = decide(gen_obs(0, preemptions=3, kv_total=4096), START.replace(kv_tokens=0))
-    assert (ceiling.knobs.kv_tokens, ceiling.knobs.max_batch_size) == (0, 12) and "KV ceiling" in ceiling.reason
+    assert (ceiling.knobs.kv_tokens, ceiling.knobs.max_batch_size) == (0, 12) and "7 rows of 512 slots fit the KV cache" in ceiling.reason
+    assert decide(gen_obs(0, preemptions=3, kv_total=4096), START.replace(max_batch_size=9)).knobs.max_batch_size == 7  # not below what fits
     below = decide(gen_obs(0, preemptions=3, kv_total=4096), START.replace(kv_tokens=9000))  # the ceiling binds, not the knob
     assert below.knobs.max_batch_size == 12
+    narrow = decide(gen_obs(0, preemptions=3, kv_total=4096, held=16), START)  # 16 rows of 128: 28 fit, the limit is not it
+    assert narrow.knobs == START
 
 
 def test_itl_over_while_prompts_prefill_halves_the_chunk_down_to_its_floor():
@@ -147,3 +151,11 @@ def test_on_the_recorded_burst_prompts_waiting_in_the_worker_make_the_chunk_halv
 def test_itl_over_with_prompts_that_never_fill_the_chunk_leaves_the_chunk_alone():
     decision = decide(gen_obs(0, itl=0.4, prompt=40, held=4))  # 40-token prompts, ~80 per step: a 128-token chunk changes nothing
     assert decision.knobs.max_batch_tokens == 256 and decision.knobs.process_count == 1
+
+
+def test_itl_and_ttft_both_over_with_full_batches_hold_rather_than_cut_throughput():
+    at_floor = START.replace(max_batch_tokens=32)
+    decision = decide(gen_obs(0, itl=0.4, ttft=3.0, held=16, queue_depth=5), at_floor)
+    assert decision.knobs == at_floor and "capacity short" in decision.reason
+    queued = decide(gen_obs(0, itl=0.4, ttft=None, first_tokens=0, held=16, queue_depth=3), at_floor)  # too few first tokens to judge TTFT
+    assert queued.knobs == at_floor and "capacity short" in queued.reason
