@@ -120,6 +120,7 @@ class DecisionLoop:
                 "queue_depth": obs.load.queue_depth,
                 "batch_size": round(obs.load.batch_size, 2),
                 "workers": len(obs.workers),
+                **_generation_entry(obs),
             },
         }
 
@@ -199,6 +200,18 @@ class Controller:
 
     def decisions(self, limit: int = 100) -> list[dict]:
         return list(self._decisions)[-limit:]
+
+
+def _generation_entry(obs: Observation) -> dict:
+    """TTFT and ITL p99s and the preemptions, for a generating engine's audit lines."""
+    out = {}
+    for stage in ("ttft", "itl"):
+        latency = obs.load.latency.get(stage)
+        if latency is not None and latency.p99 is not None:
+            out[f"{stage}_p99_seconds"] = round(latency.p99, 5)
+    if out:
+        out["preemptions"] = sum(w.preemptions for w in obs.workers)
+    return out
 
 
 def _diff(old: Knobs, new: Knobs) -> str:

@@ -44,9 +44,16 @@ class ModelSection(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_input_tokens: Annotated[int, Field(ge=1)] | None = None
     kv_cache_mib: Annotated[int, Field(ge=1, le=1_048_576)] = 1024
-    prefill_chunk_tokens: Annotated[int, Field(ge=0, le=1_048_576)] = 256
     pack_row_tokens: Annotated[int, Field(ge=0, le=65536)] = packing.DEFAULT_ROW_TOKENS
     served_names: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=16)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, values):
+        # The chunk became a live knob; say where it went rather than "unknown key".
+        if isinstance(values, dict) and "prefill_chunk_tokens" in values:
+            raise ValueError("prefill_chunk_tokens moved to concurrency.max_batch_tokens (a live knob now)")
+        return values
 
 
 class ConcurrencySection(Section):
@@ -55,6 +62,8 @@ class ConcurrencySection(Section):
     io_threads: Annotated[int, Field(ge=0, le=256)] = 2
     batch_timeout: Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)] = 0.005
     max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 16
+    max_batch_tokens: Annotated[int, Field(ge=0, le=1_048_576)] = 256
+    kv_tokens: Annotated[int, Field(ge=0, le=1 << 30)] = 0
 
 
 class Range(Section):
@@ -74,6 +83,8 @@ class BoundsSection(Section):
     io_threads: Range | None = None
     batch_timeout: Range | None = None
     max_batch_size: Range | None = None
+    max_batch_tokens: Range | None = None
+    kv_tokens: Range | None = None
 
 
 class LimitsSection(Section):
@@ -119,8 +130,9 @@ class MonitorsSection(Section):
 
 class AutotuneSection(Section):
     enabled: bool = True
-    policy: str = "builtin:default"
-    """Policy file: `builtin:NAME` for a shipped one, or a path (relative: to the current directory)."""
+    policy: str = "auto"
+    """Policy file: `builtin:NAME` for a shipped one, or a path (relative: to the current directory);
+    auto: builtin:default for embeddings, builtin:generate for generation (ServerConfig resolves it)."""
     interval_seconds: Annotated[float, Field(gt=0, le=3600)] = 2.0
     cooldown_seconds: Annotated[float, Field(ge=0, le=3600)] = 4.0
     dry_run: bool = False
@@ -176,6 +188,14 @@ class ServerConfig(Section):
     admin: AdminSection = AdminSection()
     cluster: ClusterSection = ClusterSection()
 
+    @model_validator(mode="after")
+    def _task_policy(self):
+        # The task decides the default policy: generation is tuned against TTFT and ITL, not a batch p99.
+        if self.autotune.policy == "auto":
+            policy = "builtin:generate" if self.model.task == "generate" else "builtin:default"
+            self.autotune = self.autotune.model_copy(update={"policy": policy})
+        return self
+
     def bounds_obj(self) -> Bounds:
         base = Bounds()
         changes = {}
@@ -196,13 +216,13 @@ class ServerConfig(Section):
         if count == "auto":
             count = max(1, len(os.sched_getaffinity(0)) // c.threads_per_process)
             count = min(count, self.bounds_obj().process_count[1])
-        return Knobs(count, c.threads_per_process, c.io_threads, c.batch_timeout, c.max_batch_size)
+        return Knobs(count, c.threads_per_process, c.io_threads, c.batch_timeout, c.max_batch_size, c.max_batch_tokens, c.kv_tokens)
 
     def engine_config(self) -> EngineConfig:
         m = self.model
         return EngineConfig(
             model=m.name, task=m.task, device=m.device, dtype=m.dtype, max_input_tokens=m.max_input_tokens,
-            kv_cache_mib=m.kv_cache_mib, prefill_chunk_tokens=m.prefill_chunk_tokens, pack_row_tokens=m.pack_row_tokens, knobs=self.knobs(), bounds=self.bounds_obj(),
+            kv_cache_mib=m.kv_cache_mib, pack_row_tokens=m.pack_row_tokens, knobs=self.knobs(), bounds=self.bounds_obj(),
             restart_backoff=(self.supervision.restart_backoff_seconds, self.supervision.restart_backoff_max_seconds),
             placement=self.placement.mode,
             placement_cpus=tuple(tuple(cpus) for cpus in self.placement.cpus) if self.placement.cpus else None,

@@ -17,6 +17,14 @@ from engine.placement import MachineTopology, PlacementMode
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def kv_cap(knob: int, ceiling: int | None) -> int | None:
+    """A worker's KV cap: the kv_tokens knob within the ceiling model.kv_cache_mib sets (0: the
+    ceiling); None: no cap at all."""
+    if ceiling is None:
+        return knob or None
+    return min(knob, ceiling) if knob else ceiling
+
+
 def kv_token_slots(kv_cache_mib: int, values_per_token: int, dtype: str) -> int | None:
     """How many tokens' keys and values fit in kv_cache_mib at dtype; None when unknown."""
     if values_per_token <= 0:
@@ -44,7 +52,14 @@ class Knobs:
     batch_timeout: float = 0.005
     """Seconds the batcher waits for a batch to fill before it sends what it has."""
     max_batch_size: int = 16
-    """Items (embedding inputs) or running sequences (generation) per batch."""
+    """Items (embedding inputs) per batch, or running sequences per worker (generation)."""
+    max_batch_tokens: int = 256
+    """Generation: most prompt tokens one decode step prefills (the step's token budget); a
+    longer prompt is prefilled in chunks while the running sequences keep decoding (0: whole
+    prompts at once)."""
+    kv_tokens: int = 0
+    """Generation: token slots each worker's KV cache may hold, at most what model.kv_cache_mib
+    holds (0: all of that). Lowered live, the youngest rows are preempted and recomputed."""
 
     def replace(self, **changes) -> "Knobs":
         return dataclasses.replace(self, **changes)
@@ -62,6 +77,8 @@ class Bounds:
     io_threads: tuple[int, int] = (0, 32)
     batch_timeout: tuple[float, float] = (0.0, 1.0)
     max_batch_size: tuple[int, int] = (1, 256)
+    max_batch_tokens: tuple[int, int] = (0, 65536)
+    kv_tokens: tuple[int, int] = (0, 1 << 24)
 
     def validate(self, knobs: Knobs) -> Knobs:
         for f in dataclasses.fields(Knobs):
@@ -102,12 +119,10 @@ class EngineConfig:
     dtype: str = "auto"
     """auto: embeddings measure bf16 against fp32 at start-up (engine.zygote); generation takes
     float32 on CPU, bf16 (or fp16) on CUDA. Or float32, bfloat16, float16 as named."""
-    prefill_chunk_tokens: int = 256
-    """Generation: most prompt tokens one step prefills; longer prompts go in chunks while the
-    running sequences keep decoding (0: whole prompts at once)."""
     kv_cache_mib: int = 1024
-    """Generation: memory each worker's KV cache may hold; sequences wait (and the youngest are
-    preempted) rather than pass it, and a request that could never fit is refused."""
+    """Generation: memory each worker's KV cache may hold (the ceiling of the kv_tokens knob);
+    sequences wait (and the youngest are preempted) rather than pass it, and a request that
+    could never fit is refused."""
     max_input_tokens: int | None = None
     """Longer inputs are rejected; None means the model's own limit."""
     pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS

@@ -34,6 +34,7 @@ class GenerateJobs(TaskJobs):
         handle.batches[batch.batch_id] = (batch, -1, now)
         self.counters.batches += 1
         self.counters.items += 1
+        self.counters.real_tokens += len(job.prompt_ids)  # prompt tokens: the generation policy reads their rate
         self.supervisor.send(handle, m.AddSequence(item.request_id, job.prompt_ids, job.params))
 
     def on_result(self, handle: WorkerHandle, msg: m.Tokens) -> None:

@@ -22,9 +22,10 @@ Layout of the running batch (why it looks like this):
   never carries columns nobody needs.
 
 KV memory is bounded: the dense cache holds rows × columns token slots (padding included),
-and `kv_tokens` caps them. A sequence is admitted only when the batch it joins still has
-`KV_RESERVE` slots per row free; when a decode step would pass the cap, the youngest rows are
-preempted (dropped from the cache, put back at the head of the queue) and later re-prefilled
+and `kv_tokens` caps them. Who joins and who is preempted is decided in engine/gen_admission.py
+(pure arithmetic on lengths, which the simulator drives too): a sequence is admitted only when
+the batch it joins still has `KV_RESERVE` slots per row free; when a decode step would pass the
+cap, the youngest rows are preempted (dropped from the cache, put back at the head of the queue) and later re-prefilled
 over their prompt and the tokens they had made (recompute), so a stream never repeats or
 loses a token and memory never grows past the cap.
 
@@ -44,15 +45,14 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from engine.gen_admission import KV_RESERVE, admit, chunk_end, preemptions, prefills_in_chunks
 from engine.logits import adjust_row, logprobs_of, sample_tokens
 from engine.sampling import SamplingParams, TokenLogprobs
 
-__all__ = ["GenerationRunner", "SamplingParams", "SequenceRequest", "TokenOutput"]
+__all__ = ["KV_RESERVE", "GenerationRunner", "SamplingParams", "SequenceRequest", "TokenOutput"]
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
-KV_RESERVE = 16
-"""Token slots per row an admission leaves free for the decode steps that follow it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +142,14 @@ class GenerationRunner:
     """
 
     def __init__(self, model, eos_token_ids: Iterable[int], max_running: int = 16, kv_tokens: int | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, kv_ceiling: int | None = None):
         self._model = model
         self.kv_tokens = kv_tokens
-        """Cap on the cache's token slots (rows × columns); None: no cap."""
+        """Cap on the cache's token slots (rows × columns); None: no cap. Live: lowering it
+        preempts the youngest rows at the next step (one row alone may still pass it)."""
+        self.kv_ceiling = kv_tokens if kv_ceiling is None else kv_ceiling
+        """What `add` checks a sequence against: the most the cap may ever be, so lowering the
+        cap live never turns a queued request into an error."""
         self.prefill_chunk = prefill_chunk
         """Most prompt tokens one step prefills; a longer prompt is prefilled over several steps
         while the running rows keep decoding (None: whole prompts at once)."""
@@ -211,8 +215,8 @@ class GenerationRunner:
                 f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.params.max_tokens}) exceeds "
                 f"the model's context of {self._max_positions} positions"
             )
-        if self.kv_tokens is not None and total > self.kv_tokens:
-            raise ValueError(f"prompt + max_tokens ({total}) exceeds the KV cache's {self.kv_tokens} token slots")
+        if self.kv_ceiling is not None and total > self.kv_ceiling:
+            raise ValueError(f"prompt + max_tokens ({total}) exceeds the KV cache's {self.kv_ceiling} token slots")
         self._waiting[request.seq_id] = _Sequence(request, self._make_generator(request.params), self._eos)
 
     def abort(self, seq_id: int) -> bool:
@@ -238,7 +242,7 @@ class GenerationRunner:
         """
         if self._partial is None:
             admitted = self._admit()
-            if len(admitted) == 1 and self.prefill_chunk and len(admitted[0].context_ids) > self.prefill_chunk:
+            if prefills_in_chunks([len(s.context_ids) for s in admitted], self.prefill_chunk):
                 self._partial, admitted = _Partial(admitted[0], DynamicCache()), []
         else:
             admitted = []
@@ -266,31 +270,19 @@ class GenerationRunner:
         return gen
 
     def _admit(self) -> list[_Sequence]:
-        """Pop waiting sequences (FIFO) into the free slots of the running batch, while the
-        batch they make still fits the KV cap with KV_RESERVE slots per row (the head of the
-        queue waits rather than be overtaken, so nothing starves)."""
-        free = self._max_running - len(self._rows)
-        rows = len(self._rows)
+        """Pop the waiting sequences engine.gen_admission lets join (FIFO, the KV cap with its
+        reserve, the step's prefill budget)."""
         columns = 0 if self._mask is None else self._mask.shape[1]
-        admitted, tokens = [], 0
-        while free > 0 and self._waiting:
-            head = next(iter(self._waiting.values()))
-            wider = max(columns, len(head.context_ids))
-            if self.kv_tokens is not None and rows and (rows + 1) * (wider + KV_RESERVE) > self.kv_tokens:
-                break  # an empty batch always takes the head: add() checked it fits alone
-            tokens += len(head.context_ids)
-            if admitted and self.prefill_chunk and tokens > self.prefill_chunk:
-                break  # one step prefills at most prefill_chunk tokens (the first prompt may go on in chunks)
-            admitted.append(self._waiting.popitem(last=False)[1])
-            rows, columns, free = rows + 1, wider, free - 1
-        return admitted
+        lengths = [len(s.context_ids) for s in self._waiting.values()]
+        count = admit(lengths, len(self._rows), columns, self._max_running, self.kv_tokens, self.prefill_chunk)
+        return [self._waiting.popitem(last=False)[1] for _ in range(count)]
 
     def _prefill_chunk(self):
         """The next chunk of the partial prompt, on its own cache; when it is the last, the
         sequence samples its first token and joins like a newly prefilled one."""
         part = self._partial
         context = part.seq.context_ids
-        end = min(len(context), part.done + self.prefill_chunk)
+        end = chunk_end(part.done, len(context), self.prefill_chunk)
         ids = torch.tensor([context[part.done:end]], dtype=torch.long, device=self._device)
         mask = torch.ones((1, end), dtype=torch.long, device=self._device)
         positions = torch.arange(part.done, end, dtype=torch.long, device=self._device)[None]
@@ -306,11 +298,12 @@ class GenerationRunner:
 
     def _preempt_to_fit(self, joining: int, joining_width: int) -> None:
         """Before a decode step adds a column (and `joining` prefilled rows merge): drop the
-        youngest rows until the cache fits the cap, and queue them first (they re-prefill over
+        youngest rows engine.gen_admission names, and queue them first (they re-prefill over
         what they had made)."""
-        if self.kv_tokens is None:
-            return
-        while self._rows and self._footprint_after_decode(joining, joining_width) > self.kv_tokens and (len(self._rows) > 1 or joining or self._partial):
+        partial = len(self._partial.seq.context_ids) if self._partial is not None else None
+        # A row's cached tokens are its next position; the longest of them is the cache's width.
+        count = preemptions([s.next_position for s in self._rows], joining, joining_width, partial, self.kv_tokens)
+        for _ in range(count):
             seq = self._rows[-1]
             self._retire([len(self._rows) - 1])
             self._waiting[seq.seq_id] = seq
@@ -351,14 +344,6 @@ class GenerationRunner:
             old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)], dim=0)
         self._mask = torch.cat([_pad_left(self._mask, width), _pad_left(mask, width)], dim=0)
         self._rows.extend(seqs)
-
-    def _footprint_after_decode(self, joining: int, joining_width: int) -> int:
-        """Slots once this step's decode adds a column, the prefilled rows have merged, and a
-        partial prompt has joined in full."""
-        rows, columns = len(self._rows) + joining, max(self._mask.shape[1] + 1, joining_width)
-        if self._partial is not None:
-            rows, columns = rows + 1, max(columns, len(self._partial.seq.context_ids))
-        return rows * columns
 
     # ------------------------------------------------------------------- decoding
 

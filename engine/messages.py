@@ -40,8 +40,10 @@ class WorkerSpec:
     numa_node: int | None = None
     """NUMA node to bind memory to, when all its CPUs sit on one."""
     kv_tokens: int | None = None
-    """Generation: the cap on its KV cache's token slots (model.kv_cache_mib); None: no cap."""
-    prefill_chunk: int = 0
+    """Generation: the ceiling of its KV cache's token slots (model.kv_cache_mib); None: none."""
+    kv_knob: int = 0
+    """Generation: the kv_tokens knob, the live cap under that ceiling (0: the ceiling)."""
+    max_batch_tokens: int = 0
     """Generation: most prompt tokens one step prefills (0: whole prompts)."""
 
 
@@ -105,6 +107,11 @@ class SetKnobs:
     max_batch_size: int
     cpus: tuple[int, ...] = ()
     """Re-pin to these CPUs (empty: leave the affinity alone)."""
+    max_batch_tokens: int = 0
+    """Generation: most prompt tokens one step prefills (0: whole prompts)."""
+    kv_tokens: int = 0
+    """Generation: the KV cap under the worker's ceiling (0: the ceiling); a lower cap preempts
+    the youngest rows at the next step, and they are recomputed later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +154,9 @@ class GenerationLoad:
     """0: no cap."""
     preemptions: int = 0
     """Since the worker started."""
+    max_running: int = 0
+    """The live settings it runs with: running sequences, prompt tokens per step (0: whole)."""
+    max_batch_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,9 @@ class WorkerStats:
     """Generation: token slots its KV cache holds (rows × columns), of kv_tokens_total (0: no cap)."""
     kv_tokens_total: int = 0
     preemptions: int = 0
+    max_running_sequences: int = 0
+    """Generation: the live settings its last step ran with (max_batch_size, max_batch_tokens)."""
+    max_batch_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

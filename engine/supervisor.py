@@ -50,8 +50,8 @@ class WorkerHandle:
     """batch_id -> (batch, slot, dispatched at)."""
     ready_at: float | None = None
     stop_sent: bool = False
-    applied: tuple[int, int, tuple[int, ...]] = (0, 0, ())
-    """(threads, max_batch_size, cpus) last given to the worker."""
+    applied: m.SetKnobs = m.SetKnobs(0, 0)
+    """The live settings last given to the worker."""
     busy_seconds: float = 0.0
     batches_done: int = 0
     items_done: int = 0
@@ -132,8 +132,8 @@ class WorkerSupervisor:
             worker_id=worker_id,
             task=self.config.task,
             device=device,
-            threads=self.knobs.threads_per_process,
-            max_batch_size=self.knobs.max_batch_size,
+            threads=handle.applied.threads,
+            max_batch_size=handle.applied.max_batch_size,
             slots=self.config.max_inflight_batches,
             slot_items=self.config.bounds.max_batch_size[1],
             max_length=self.info.max_length,
@@ -142,10 +142,11 @@ class WorkerSupervisor:
             warmup=self.config.warmup,
             pack_row_tokens=self.config.pack_row_tokens,
             vocab_size=self.info.vocab_size,
-            cpus=handle.applied[2],
+            cpus=handle.applied.cpus,
             numa_node=placement.node if placement is not None else None,
             kv_tokens=self.info.kv_tokens if self.config.task == "generate" else None,
-            prefill_chunk=self.config.prefill_chunk_tokens,
+            kv_knob=handle.applied.kv_tokens,
+            max_batch_tokens=handle.applied.max_batch_tokens,
         )
         self.zygote.send(m.Fork(spec))
 
@@ -178,20 +179,21 @@ class WorkerSupervisor:
         workers = self.plan().workers
         return workers[index] if index < len(workers) else None
 
-    def _desired(self, handle: WorkerHandle) -> tuple[int, int, tuple[int, ...]]:
+    def _desired(self, handle: WorkerHandle) -> m.SetKnobs:
         placement = self._placement_of(handle.worker_id)
-        cpus = placement.cpus if placement is not None else handle.applied[2]
-        return self.knobs.threads_per_process, self.knobs.max_batch_size, cpus
+        cpus = placement.cpus if placement is not None else handle.applied.cpus
+        k = self.knobs
+        return m.SetKnobs(k.threads_per_process, k.max_batch_size, cpus, k.max_batch_tokens, k.kv_tokens)
 
     def _sync_workers(self) -> None:
-        """Send each live worker its threads, batch size and CPUs when they changed."""
+        """Send each live worker its threads, batch size, generation knobs and CPUs when they changed."""
         for handle in list(self.workers.values()):
             if handle.conn is None or handle.stop_sent:
                 continue
             desired = self._desired(handle)
             if desired != handle.applied:
                 handle.applied = desired
-                self.send(handle, m.SetKnobs(*desired))
+                self.send(handle, desired)
 
     # ---- what the zygote and the workers say ----------------------------------------------------
 
@@ -353,12 +355,14 @@ class WorkerSupervisor:
                     items=h.items_done,
                     busy_seconds=h.busy_seconds,
                     age_seconds=now - h.forked_at,
-                    cpus=format_cpulist(h.applied[2]),
+                    cpus=format_cpulist(h.applied.cpus),
                     running_sequences=h.generation.running,
                     waiting_sequences=h.generation.waiting,
                     kv_tokens_used=h.generation.kv_tokens_used,
                     kv_tokens_total=h.generation.kv_tokens_total,
                     preemptions=h.generation.preemptions,
+                    max_running_sequences=h.generation.max_running,
+                    max_batch_tokens=h.generation.max_batch_tokens,
                 )
             )
         return tuple(out)

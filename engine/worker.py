@@ -18,6 +18,7 @@ from multiprocessing.reduction import send_handle
 import torch
 
 from engine import messages as m
+from engine.config import kv_cap
 from engine.numa_bind import apply_placement, pin_current_process
 from engine.shm import SlotBuffer
 
@@ -101,7 +102,8 @@ class GenerateWorker:
 
         self.spec = spec
         self.conn = conn
-        self.runner = GenerationRunner(model, spec.eos_token_ids, spec.max_batch_size, spec.kv_tokens, spec.prefill_chunk or None)
+        self.runner = GenerationRunner(model, spec.eos_token_ids, spec.max_batch_size, kv_cap(spec.kv_knob, spec.kv_tokens),
+                                       spec.max_batch_tokens or None, kv_ceiling=spec.kv_tokens)
         self.live: set[int] = set()
 
     def serve(self) -> int:
@@ -136,7 +138,10 @@ class GenerateWorker:
             self.live.discard(msg.seq_id)
         elif isinstance(msg, m.SetKnobs):
             apply_knobs(msg)
+            # Between steps, so no running sequence sees a half-changed runner.
             self.runner.max_running = msg.max_batch_size
+            self.runner.prefill_chunk = msg.max_batch_tokens or None
+            self.runner.kv_tokens = kv_cap(msg.kv_tokens, self.spec.kv_tokens)
         elif isinstance(msg, m.Stop):
             return True
         else:
@@ -158,7 +163,8 @@ class GenerateWorker:
         if outputs:
             produced = tuple((o.seq_id, o.token_id, o.finish_reason, o.logprobs) for o in outputs)
             r = self.runner
-            load = m.GenerationLoad(r.num_running, r.num_waiting, r.kv_tokens_used, r.kv_tokens or 0, r.preemptions)
+            load = m.GenerationLoad(r.num_running, r.num_waiting, r.kv_tokens_used, r.kv_tokens or 0, r.preemptions,
+                                    r.max_running, r.prefill_chunk or 0)
             self.conn.send(m.Tokens(produced, time.perf_counter() - started, load))
 
     def _abort_all(self) -> tuple[int, ...]:

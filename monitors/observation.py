@@ -71,6 +71,8 @@ class Load:
     when batch sizes mix, pairs a small mean size with the time of the big batches."""
     batch_times: BatchTimes = field(default_factory=BatchTimes)
     items_rate: float = 0.0
+    input_tokens_per_second: float = 0.0
+    """Input tokens dispatched to the workers per second (embedding inputs, or generation prompts)."""
     tokens_per_second: float = 0.0
     """Generated tokens per second (generation only)."""
 
@@ -92,6 +94,14 @@ class WorkerObservation:
     cpus: tuple[int, ...] = ()
     numa_pages: dict[int, int] = field(default_factory=dict)
     """NUMA node -> pages of the worker's memory on it."""
+    running_sequences: int = 0
+    """Generation: sequences in its running batch now, and below, waiting in it for KV room."""
+    waiting_sequences: int = 0
+    kv_tokens_used: int = 0
+    """Generation: KV token slots held now, of kv_tokens_total (its live cap; 0: no cap)."""
+    kv_tokens_total: int = 0
+    preemptions: int = 0
+    """Generation: sequences preempted (to be recomputed) within the window."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ class LoadWindow:
             timed_out_rate=rate["timed_out"],
             failed_rate=rate["failed"],
             items_rate=rate["items"],
+            input_tokens_per_second=rate["real_tokens"],
             tokens_per_second=rate["generated_tokens"],
             **batch_figures(dict(zip(COUNTERS, d))),
             **common,
@@ -88,7 +89,8 @@ class EngineReading:
 
     `stats` needs: counters (requests, completed, failed, batches, items, real_tokens,
     padded_tokens, generated_tokens and BATCH_TIME_COUNTERS), queue_depth, oldest_wait_seconds, pending_requests,
-    and workers with worker_id, pid, state, load, busy_seconds. `latency` maps a stage to
+    and workers with worker_id, pid, state, load, busy_seconds (generation workers also
+    running_sequences, waiting_sequences, kv_tokens_used, kv_tokens_total, preemptions). `latency` maps a stage to
     (cumulative bucket counts, sum of seconds) over the buckets `upper_bounds`.
     """
 
@@ -172,7 +174,7 @@ class Sampler:
         out = []
         for w in workers:
             window = self._busy.setdefault(w.worker_id, SnapshotWindow(self.window_seconds))
-            window.push(now, np.array((w.busy_seconds, w.batches, w.items), dtype=float))
+            window.push(now, np.array((w.busy_seconds, w.batches, w.items, getattr(w, "preemptions", 0)), dtype=float))
             delta = window.delta()
             busy = min(1.0, max(0.0, delta[1][0] / delta[0])) if delta else 0.0
             batch_size = delta[1][2] / delta[1][1] if delta and delta[1][1] > 0 else 0.0
@@ -191,6 +193,18 @@ class Sampler:
                     threads=proc.num_threads if proc else None,
                     cpus=tuple(proc.cpu_affinity or ()) if proc else (),
                     numa_pages=dict(proc.numa_pages) if proc else {},
+                    **_generation_figures(w, delta),
                 )
             )
         return tuple(out)
+
+
+def _generation_figures(w, delta) -> dict:
+    """A generation worker's sequences and KV figures (absent from embedding workers: zeros)."""
+    return {
+        "running_sequences": getattr(w, "running_sequences", 0),
+        "waiting_sequences": getattr(w, "waiting_sequences", 0),
+        "kv_tokens_used": getattr(w, "kv_tokens_used", 0),
+        "kv_tokens_total": getattr(w, "kv_tokens_total", 0),
+        "preemptions": int(delta[1][3]) if delta else 0,
+    }

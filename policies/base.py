@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from engine.config import Bounds, Knobs
 from monitors.observation import Observation
 
-KnobName = Literal["process_count", "threads_per_process", "io_threads", "batch_timeout", "max_batch_size"]
+KnobName = Literal["process_count", "threads_per_process", "io_threads", "batch_timeout", "max_batch_size", "max_batch_tokens", "kv_tokens"]
 KNOB_NAMES: tuple[str, ...] = get_args(KnobName)
 """The knobs by name (tests check this matches the fields of Knobs)."""
 

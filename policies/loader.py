@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from policies.aimd import AimdParams, AimdPolicy
 from policies.base import Policy
 from policies.composite import CompositeParams, CompositePolicy
+from policies.generate import GenerateParams, GeneratePolicy
 from policies.replicas import ReplicaParams, ReplicaPolicy
 from policies.search import SearchParams, SearchPolicy
 from policies.slo import SloParams, SloPolicy
@@ -37,6 +38,7 @@ KINDS: dict[str, tuple[type[BaseModel], Callable[[Any], Policy] | None]] = {
     "aimd": (AimdParams, AimdPolicy),
     "slo": (SloParams, SloPolicy),
     "search": (SearchParams, SearchPolicy),
+    "generate": (GenerateParams, GeneratePolicy),
     "composite": (CompositeParams, None),  # built below: its members are specs themselves
 }
 

@@ -53,8 +53,9 @@ class SearchParams(Params):
     """The p99 latency objective (of `stage`) in seconds; goodput is penalised above it."""
     stage: str = "total"
     """Latency stage the SLO applies to."""
-    knobs: list[KnobName] = Field(default_factory=lambda: list(KNOB_NAMES), min_length=1)
-    """Knobs the search may move (in a composite: exactly the ones this member owns)."""
+    knobs: list[KnobName] = Field(default_factory=lambda: list(KNOB_NAMES[:5]), min_length=1)
+    """Knobs the search may move (in a composite: exactly the ones this member owns); by
+    default the five every task has (the generation knobs only when named)."""
     settle_seconds: float = Field(10.0, ge=0)
     """Seconds ignored after a change: at least the sampler's window, so no old data is counted."""
     trial_seconds: float = Field(20.0, gt=0)
@@ -101,6 +102,8 @@ _STEPS = {
     "io_threads": ("+1", "-1"),
     "max_batch_size": ("x2", "/2"),
     "batch_timeout": ("x2", "/2"),
+    "max_batch_tokens": ("x2", "/2"),
+    "kv_tokens": ("x2", "/2"),
 }
 
 

@@ -74,3 +74,38 @@ def threshold(**overrides) -> ThresholdPolicy:
 
 def aimd(**overrides) -> AimdPolicy:
     return AimdPolicy(AimdParams(**{"slo_p99_seconds": 0.5, **overrides}))
+
+
+def gen_obs(
+    t: float,
+    *,
+    ttft: float | None = 0.5,
+    itl: float | None = 0.1,
+    tokens: int = 500,
+    first_tokens: int = 20,
+    held: int = 4,
+    running: int | None = None,
+    waiting: int = 0,
+    queue_depth: int = 0,
+    preemptions: int = 0,
+    kv_total: int = 10_000,
+    workers: int = 2,
+    prompt: float = 400.0,
+) -> Observation:
+    """A generation Observation: TTFT and ITL p99s over `first_tokens` and `tokens` samples, each
+    of `workers` ready workers holding `held` sequences (`running` of them in its batch); two
+    requests a second of `prompt` tokens each."""
+    latency = {}
+    if ttft is not None:
+        latency["ttft"] = Latency(p50=ttft / 2, p95=ttft * 0.9, p99=ttft, mean=ttft / 2, count=first_tokens)
+    if itl is not None:
+        latency["itl"] = Latency(p50=itl / 2, p95=itl * 0.9, p99=itl, mean=itl / 2, count=tokens)
+    running = held if running is None else running
+    worker = dict(running_sequences=running, waiting_sequences=waiting, kv_tokens_used=kv_total // 2, kv_tokens_total=kv_total, preemptions=preemptions)
+    return Observation(
+        time=t,
+        window_seconds=10.0,
+        load=Load(arrival_rate=2.0, completion_rate=2.0, items_rate=2.0, input_tokens_per_second=2.0 * prompt, queue_depth=queue_depth,
+                  latency=latency, tokens_per_second=tokens / 10),
+        workers=tuple(WorkerObservation(i, 1000 + i, "ready", 0.9, held, **worker) for i in range(workers)),
+    )

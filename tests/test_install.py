@@ -93,6 +93,14 @@ def test_config_policy_key_takes_builtin_names_and_rejects_unknown_ones(tmp_path
     assert not load_config(None, {"autotune.policy": "builtin:nope", "autotune.enabled": False}).autotune.enabled
 
 
+def test_the_default_policy_follows_the_task():
+    policies = shipped.root() / "policies"
+    assert load_config(None).autotune.policy_path() == policies / "default.yaml"
+    assert load_config(None, {"model.task": "generate"}).autotune.policy_path() == policies / "generate.yaml"
+    chosen = load_config(None, {"model.task": "generate", "autotune.policy": "builtin:slo"})
+    assert chosen.autotune.policy_path() == policies / "slo.yaml"  # a policy named is kept whatever the task
+
+
 def test_config_show_gives_a_file_that_loads_to_the_same_config(tmp_path):
     overrides = {"concurrency.process_count": 3, "model.task": "generate"}
     text = effective_config(None, overrides)

@@ -18,7 +18,7 @@ POLICY_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "policies", "*.yam
 
 def test_every_shipped_kind_has_a_file():
     names = {os.path.basename(p) for p in POLICY_FILES}
-    assert {f"{k}.yaml" for k in ("static", "threshold", "aimd", "slo", "search", "composite", "default")} <= names
+    assert {f"{k}.yaml" for k in ("static", "threshold", "aimd", "slo", "search", "composite", "default", "generate")} <= names
 
 
 @pytest.mark.parametrize("path", POLICY_FILES, ids=os.path.basename)
@@ -59,7 +59,7 @@ def write(tmp_path, text: str) -> str:
         ),
         ("- kind: static\n", r": expected a mapping"),
         ("kind: [static\n", r": not valid YAML"),
-        ("target: 0.7\n", r": kind: missing; one of: aimd, composite, search, slo, static, threshold"),
+        ("target: 0.7\n", r": kind: missing; one of: aimd, composite, generate, search, slo, static, threshold"),
     ],
 )
 def test_bad_files_name_the_file_and_the_key(tmp_path, text, expected):
@@ -72,7 +72,7 @@ def test_bad_files_name_the_file_and_the_key(tmp_path, text, expected):
 
 
 def test_unknown_kind_lists_the_kinds(tmp_path):
-    with pytest.raises(PolicyError, match=r"kind: unknown policy kind 'pid'; one of: aimd, composite, search, slo, static, threshold"):
+    with pytest.raises(PolicyError, match=r"kind: unknown policy kind 'pid'; one of: aimd, composite, generate, search, slo, static, threshold"):
         load_policy(write(tmp_path, "kind: pid\n"))
 
 

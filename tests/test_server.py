@@ -246,6 +246,10 @@ def test_admin_is_off_without_a_token_and_sigterm_drains_in_flight_work(tmp_path
         ("bounds:\n  process_count: {min: 4, max: 2}\n", "bounds.process_count"),
         ("concurrency:\n  process_count: 40\n", "outside the allowed range"),
         ("- just\n- a list\n", "top level must be a mapping"),
+        ("concurrency:\n  max_batch_tokens: -1\n", "concurrency.max_batch_tokens"),
+        ("concurrency:\n  kv_tokens: 64\nbounds:\n  kv_tokens: {min: 128, max: 512}\n", "kv_tokens=64 is outside the allowed range [128, 512]"),
+        ("bounds:\n  max_batch_tokens: {min: 64, max: 8}\n", "bounds.max_batch_tokens"),
+        ("model:\n  prefill_chunk_tokens: 64\n", "prefill_chunk_tokens moved to concurrency.max_batch_tokens"),
     ],
 )
 def test_bad_config_names_the_file_and_the_key(tmp_path, text, problem):

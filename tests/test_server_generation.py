@@ -50,6 +50,15 @@ def test_kv_cache_shows_in_stats_and_metrics(client, server):
     assert f'selftune_worker_kv_cache_capacity_tokens{{worker="{worker["worker_id"]}"}} {float(worker["kv_tokens_total"])}' in metrics
 
 
+def test_generation_knobs_show_in_stats_and_the_generate_policy_runs_by_default(client, server):
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    stats = httpx.get(server.url + "/stats").json()
+    knobs = stats["knobs"]
+    (worker,) = stats["workers"]
+    assert (worker["max_running_sequences"], worker["max_batch_tokens"]) == (knobs["max_batch_size"], knobs["max_batch_tokens"])
+    assert "policy generate from" in server.log() and "generate.yaml" in server.log()
+
+
 def test_chat_streamed_equals_chat_whole(client):
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
     chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True))

@@ -8,6 +8,8 @@ import selectors
 from multiprocessing import Pipe
 from pathlib import Path
 
+import pytest
+
 from autotune.offline.costmodel import DeterministicCostModel
 from autotune.offline.simulator import READY, SimConfig, Simulation
 from engine import messages as m
@@ -133,11 +135,16 @@ def test_load_window_turns_totals_into_rates():
     assert (load.queue_depth, load.pending_requests) == (3, 4)
 
 
-def test_the_simulator_holds_no_copy_of_engine_logic():
-    """It calls the shared pieces and never drives the router's worker set or counters by hand."""
-    tree = ast.parse((ROOT / "autotune" / "offline" / "simulator.py").read_text())
-    calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
-    assert {"reconcile", "count_dispatch", "count_batch_done", "load"} <= calls
+@pytest.mark.parametrize("simulator, shared", [("simulator.py", {"count_dispatch", "count_batch_done"}),
+                                               ("gen_simulator.py", {"admit", "preemptions", "prefills_in_chunks", "chunk_end"})])
+def test_the_simulator_holds_no_copy_of_engine_logic(simulator, shared):
+    """It calls the shared pieces (the embedding simulator the Counters' methods, the generation one
+    engine.gen_admission, both the Scheduler's reconcile through sim_loop.py and the sampler's
+    LoadWindow) and never drives the router's worker set or counters by hand."""
+    offline = ROOT / "autotune" / "offline"
+    tree = ast.Module(body=[*ast.parse((offline / simulator).read_text()).body, *ast.parse((offline / "sim_loop.py").read_text()).body], type_ignores=[])
+    calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert {"reconcile", "load"} | shared <= calls
     on_router = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
                  and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "router"}
     assert on_router and not {"add", "drain", "choose_to_retire", "idle_draining", "take_stoppable"} & on_router

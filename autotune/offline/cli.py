@@ -28,8 +28,9 @@ def register(subparsers) -> None:
     """Add the profile, simulate and tune subcommands to the `selftune` parser."""
     p = subparsers.add_parser("profile", help="measure the model on this machine and fit a cost model")
     p.add_argument("--model", default="builtin:minilm")
+    p.add_argument("--task", default="embed", choices=["embed", "generate"], help="generate: time the generation runner's steps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="model.dtype to profile: auto (the default) measures what the server chooses on this CPU (the zygote's own choice)")
+                   help="embed: model.dtype to profile: auto (the default) measures what the server chooses on this CPU (the zygote's own choice)")
     p.add_argument("--quick", action="store_true", help="a small grid (under ~3 minutes on 2 cores)")
     p.add_argument("--out", default="costmodel.json", help="cost model JSON to write (a PNG goes beside it); "
                    "`simulate`/`tune`/`validate --cost-model` take it")
@@ -39,10 +40,14 @@ def register(subparsers) -> None:
 
     s = subparsers.add_parser("simulate", help="run a workload through the simulated engine under a policy")
     s.add_argument("--workload", required=True, help="`kind:key=value,...` (see autotune/bench/workloads.py) or a YAML file")
+    s.add_argument("--task", default="embed", choices=["embed", "generate"],
+                   help="generate: sequences with prompt and output lengths (a trace's ContextTokens/GeneratedTokens, or output=N)")
     s.add_argument("--policy", default=STATIC_POLICY, help="policy file or builtin:NAME (as `selftune serve --policy`)")
-    s.add_argument("--cost-model", default=DEFAULT_COST_MODEL, help="cost model JSON or builtin:NAME (default: %(default)s)")
+    s.add_argument("--cost-model", default=None, help=f"cost model JSON or builtin:NAME (default: {DEFAULT_COST_MODEL}; generate: a generation cost model)")
     _dtype_argument(s)
     s.add_argument("--slo", type=float, default=0.5, help="latency objective in seconds")
+    s.add_argument("--ttft", type=float, default=2.0, help="generate: time-to-first-token objective (seconds)")
+    s.add_argument("--itl", type=float, default=0.25, help="generate: mean inter-token gap objective (seconds)")
     _sim_arguments(s)
     s.add_argument("--out", help="directory for simulation.json and simulation.png")
     s.add_argument("--json", action="store_true")
@@ -143,6 +148,11 @@ def load_workload(spec):
 def run_profile(args) -> int:
     from autotune.offline.profiler import FULL, QUICK, plot, profile
 
+    if args.task == "generate":
+        from autotune.offline.gen_cli import run_gen_profile
+
+        return run_gen_profile(args)
+
     model = profile(args.model, args.dtype, QUICK if args.quick else FULL, args.seed)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     model.save(args.out)
@@ -165,6 +175,12 @@ def run_profile(args) -> int:
 def run_simulate(args) -> int:
     from autotune.offline.simulator import plot_timeline, simulate
     from policies.loader import load_policy
+
+    if args.task == "generate":
+        from autotune.offline.gen_cli import run_gen_simulate
+
+        return run_gen_simulate(args)
+    args.cost_model = args.cost_model or DEFAULT_COST_MODEL
 
     try:
         arrivals = load_workload(args.workload)
@@ -222,6 +238,8 @@ def run_tune(args) -> int:
         write_policy,
     )
 
+    from autotune.offline.gen_cli import GEN_STATIC_GRID
+
     try:
         with open(shipped.resolve(args.config, shipped.TUNE_CONFIG), encoding="utf-8") as f:
             config = yaml.safe_load(f) or {}
@@ -235,7 +253,7 @@ def run_tune(args) -> int:
     objective = problem.objective
     method = args.method or search.get("method", "differential_evolution")
     started = time.perf_counter()
-    grid = config.get("static_grid")
+    grid = config.get("static_grid") or (GEN_STATIC_GRID if config.get("task") == "generate" else None)
     with progress_bar(len(static_grid(grid or DEFAULT_STATIC_GRID, knobs, problem.sim)), "static oracle") as bar:
         best_static = oracle(problem, grid, bar)
     result: dict = {"objective": objective, "policy": policy_path, "oracle": {k: v for k, v in best_static.items() if k != "grid"}}
@@ -269,11 +287,16 @@ def _tune_problem(args, config: dict, spec: dict):
     objective = args.objective or config.get("objective", "goodput")
     search = config.get("search", {}) or {}
     sim = config.get("simulator", {}) or {}
-    defaults = argparse.Namespace(knobs="", cores=None, max_inflight_batches=INFLIGHT_BATCHES, startup_seconds=1.0, max_queued_requests=512, interval=2.0, cooldown=4.0)
+    defaults = argparse.Namespace(knobs="", ttft=2.0, itl=0.25, cores=None, max_inflight_batches=INFLIGHT_BATCHES, startup_seconds=1.0, max_queued_requests=512, interval=2.0, cooldown=4.0)
     for key, value in sim.items():
-        if not hasattr(defaults, key) or key == "knobs":
-            raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k != 'knobs')}")
+        if not hasattr(defaults, key) or key in ("knobs", "ttft", "itl"):
+            raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k not in ('knobs', 'ttft', 'itl'))}")
         setattr(defaults, key, value)
+    if config.get("task", "embed") == "generate":
+        from autotune.offline.gen_cli import gen_tune_problem
+
+        problem, knobs = gen_tune_problem(config, spec, objective, defaults)
+        return problem, knobs, search
     knobs = Knobs(**config.get("knobs", {}))
     try:  # the tune config's `dtype`: the model.dtype of the server being tuned for
         cost_model = load_checked_cost_model(config.get("cost_model", DEFAULT_COST_MODEL), config.get("dtype", "auto"))

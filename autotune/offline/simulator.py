@@ -6,7 +6,7 @@ knobs through the live controller's `DecisionLoop` (interval, cooldown, guardrai
 workers are simulated: a batch takes what the cost model says, given how many workers are busy
 when it starts. Nothing here reads a clock; `now` is the time of the event being handled.
 
-The loop is `engine.core.EngineCore`'s turn: handle one event (an arrival, a batch done, a
+The loop (autotune/offline/sim_loop.py, shared with the generation simulator) is `engine.core.EngineCore`'s turn: handle one event (an arrival, a batch done, a
 worker ready, a batcher wake-up, a sampler tick), then carry out `Scheduler.reconcile` (start,
 drain, stop workers), then dispatch what the scheduler says. Counters are the engine's
 `Counters`, counted by the same methods, and the Observation's Load comes from the live
@@ -16,59 +16,38 @@ sampler's `LoadWindow`.
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from autotune.controller import ControllerConfig, DecisionLoop
 from autotune.offline.costmodel import SPREADS, CostModel, check_percentiles
-from autotune.guardrails import MachineLimits
+from autotune.offline.sim_loop import FIRST_EVENT, READY, LoopConfig, SimLoop
 from engine import packing
-from engine.batcher import Batch, Item
-from engine.config import INFLIGHT_BATCHES, Bounds, Knobs
+from engine.batcher import Batch
+from engine.config import INFLIGHT_BATCHES, Knobs
 from engine.scheduler import Scheduler
-from engine.stats import Counters
 from monitors.observation import Latency, Observation, WorkerObservation
 from monitors.sampler import LoadWindow
 from monitors.window import SnapshotWindow
 
-READY, DONE, WAKE, SAMPLE = range(4)
+DONE, WAKE = FIRST_EVENT, FIRST_EVENT + 1
+__all__ = ["READY", "SimConfig", "SimResult", "Simulation", "simulate", "plot_timeline"]
 QUANTILE_LEVELS = np.linspace(0.0, 1.0, 101)
 """Where the *_percentiles fields of SimConfig sit: percentiles 0, 1, ..., 100."""
 
 
 @dataclass(frozen=True, slots=True)
-class SimConfig:
-    """The simulated server: the same settings as the live one's config, with the same defaults."""
+class SimConfig(LoopConfig):
+    """The simulated embedding server: the loop's settings (sim_loop.LoopConfig), and these."""
 
-    knobs: Knobs = field(default_factory=Knobs)
-    bounds: Bounds = field(default_factory=Bounds)
-    cores: int = 2
-    """Cores the workers share (the cost model's contention and the guardrails' core limit)."""
     slo_seconds: float = 0.5
     """A request is good when it finishes within this many seconds of arriving."""
     pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS
     """Mixed-length batches run packed into rows of this many tokens (model.pack_row_tokens)."""
     max_inflight_batches: int = INFLIGHT_BATCHES
     """Batches the router lets one worker hold (the engine's)."""
-    startup_seconds: float = 1.0
-    """Fork + warm-up time before a new worker takes traffic."""
-    max_queued_requests: int = 512
-    """Admission limit (limits.max_queued_requests): arrivals beyond it are rejected, as with a 429."""
-    sample_interval: float = 1.0
-    """monitors.interval_seconds: how often an Observation is taken."""
-    window_seconds: float = 10.0
-    """monitors.window_seconds: rates and percentiles are over this window."""
-    control_interval: float = 2.0
-    """autotune.interval_seconds: decide at most this often."""
-    cooldown_seconds: float = 4.0
-    """autotune.cooldown_seconds: wait after a change before the next decision."""
-    allow_oversubscription: bool = False
-    pinned: frozenset = frozenset()
     request_overhead_seconds: float = 0.0
     """Latency each request spends outside the workers (HTTP, tokenizing, hand-offs, response)."""
     model_time_factor: float = 1.0
@@ -198,7 +177,7 @@ class SimResult:
         }
 
 
-class Simulation:
+class Simulation(SimLoop):
     """One run: arrivals (sorted (time, tokens)) through the engine's scheduler under a policy.
 
     `policy=None` runs without sampler or controller (the knobs stay; nothing observes), which
@@ -206,21 +185,11 @@ class Simulation:
     """
 
     def __init__(self, arrivals, cost_model: CostModel, config: SimConfig = SimConfig(), policy=None):
+        super().__init__(config, policy)
         self.arrivals = arrivals
         self.cost = cost_model
-        self.config = config
-        self.policy = policy
-        self.knobs = config.knobs
         self.scheduler = Scheduler("embed", config.knobs, config.max_inflight_batches)
-        self.workers: dict[int, SimWorker] = {}
-        self.counters = Counters()
-        self.rejected_count = 0
-        self.pending = 0
-        self.controller = DecisionLoop(policy, config.bounds, _controller_config(config)) if policy is not None else None
-        self.decisions: list[dict] = []
         self.sampler = SimSampler(self) if policy is not None else None
-        self._events: list = []
-        self._seq = itertools.count()
         self._wakes: set[float] = set()
         self._busy = 0
         n = len(arrivals)
@@ -229,9 +198,6 @@ class Simulation:
         self.dispatched = np.full(n, math.nan)
         self.done = np.full(n, math.nan)
         self.rejected = np.zeros(n, bool)
-        self.knob_changes: list[tuple[float, Knobs]] = [(0.0, config.knobs)]
-        self.core_seconds = 0.0
-        self._last_t = 0.0
         self._rng = np.random.default_rng(config.seed)
         self.overhead = (
             np.interp(self._rng.random(n), QUANTILE_LEVELS, config.request_overhead_percentiles)
@@ -241,64 +207,26 @@ class Simulation:
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self) -> SimResult:
-        events, arrival, n = self._events, self.arrival, len(self.arrival)
-        i, now = 0, 0.0
-        if self.sampler is not None:
-            self._push(self.config.sample_interval, SAMPLE, None)
-        self._reconcile(now)
-        for worker_id in list(self.workers):  # the server starts serving once its workers are warm
-            self._handle(READY, worker_id, now)
-        while True:
-            next_arrival = arrival[i] if i < n else math.inf
-            next_event = events[0][0] if events else math.inf
-            if next_arrival == math.inf and next_event == math.inf:
-                break
-            if next_arrival <= next_event:
-                now = next_arrival
-                self._account(now)
-                self._on_arrival(i, now)
-                i += 1
-            else:
-                now, _, kind, data = heapq.heappop(events)
-                self._account(now)
-                if kind == SAMPLE and not self._on_sample(now, more=i < n):
-                    continue
-                self._handle(kind, data, now)
-            self._reconcile(now)
-            self._dispatch(now)
+        now = self._loop(self.arrival)
         return SimResult(
             self.config, self.arrival, self.lengths, self.dispatched, self.done, self.rejected, self.knob_changes,
             self.decisions, self.controller.calls if self.controller else 0,
             self.counters.batches, self.counters.items, self.core_seconds, now,
         )
 
-    def _push(self, t: float, kind: int, data) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), kind, data))
+    def _new_worker(self, worker_id: int) -> SimWorker:
+        return SimWorker(worker_id)
 
-    def _account(self, now: float) -> None:
-        """Core-seconds held: worker processes alive × threads each, integrated over time."""
-        self.core_seconds += (now - self._last_t) * len(self.workers) * self.knobs.threads_per_process
-        self._last_t = now
-
-    def _handle(self, kind: int, data, now: float) -> None:
+    def _handle_event(self, kind: int, data, now: float) -> None:
         if kind == DONE:
             self._on_done(data[0], data[1], data[2], now)
-        elif kind == READY:
-            if data in self.workers:
-                self.scheduler.router.mark_ready(data)
         elif kind == WAKE:
             self._wakes.discard(now)
 
     # ---- requests --------------------------------------------------------------------------
 
     def _on_arrival(self, i: int, now: float) -> None:
-        if self.pending >= self.config.max_queued_requests:
-            self.rejected[i] = True
-            self.rejected_count += 1
-            return
-        self.pending += 1
-        self.counters.requests += 1
-        self.scheduler.submit(Item(i, 0, int(self.lengths[i]), now))
+        self._admit(i, int(self.lengths[i]), now)
 
     def _dispatch(self, now: float) -> None:
         for dispatch in self.scheduler.schedule(now):
@@ -342,42 +270,6 @@ class Simulation:
                 self.sampler.completed(now, answered - item.arrival, self.dispatched[r] - item.arrival, seconds)
         if worker.queue:
             self._start(worker, now)
-
-    # ---- workers -----------------------------------------------------------------------------
-
-    def _reconcile(self, now: float) -> None:
-        """Carry out the scheduler's plan as EngineCore's supervisor does: start, stop (drains
-        need nothing here; a draining worker still warming up stops once ready)."""
-        plan = self.scheduler.reconcile(self.knobs.process_count)
-        for worker_id in plan.start:
-            self.workers[worker_id] = SimWorker(worker_id)
-            self._push(now + self.config.startup_seconds, READY, worker_id)
-        for worker_id in plan.stop:
-            self.scheduler.router.remove(worker_id)
-            del self.workers[worker_id]
-
-    # ---- observation and control ---------------------------------------------------------------
-
-    def _on_sample(self, now: float, more: bool) -> bool:
-        """Observe, let the controller decide; False once there is nothing left to observe."""
-        if not more and self.pending == 0:
-            return False
-        self._push(now + self.config.sample_interval, SAMPLE, None)
-        step = self.controller.step(self.sampler.sample(now), self.knobs, set(self.config.pinned))
-        if step.entry is not None:
-            self.decisions.append(step.entry)
-        knobs = step.knobs
-        if knobs is not None:
-            self.controller.applied(now)
-            self.knobs = knobs
-            self.scheduler.configure(knobs)
-            self.knob_changes.append((now, knobs))
-        return True
-
-
-def _controller_config(config: SimConfig) -> ControllerConfig:
-    limits = MachineLimits(usable_cores=config.cores, allow_oversubscription=config.allow_oversubscription)
-    return ControllerConfig(interval_seconds=config.control_interval, cooldown_seconds=config.cooldown_seconds, limits=limits)
 
 
 def simulate(arrivals, cost_model: CostModel, config: SimConfig = SimConfig(), policy=None) -> SimResult:

@@ -26,6 +26,7 @@ import numpy as np
 import yaml
 
 from autotune.offline.costmodel import CostModel
+from autotune.offline.gen_simulator import GenSimConfig, simulate_generation
 from autotune.offline.simulator import SimConfig, simulate
 from engine.config import Knobs
 from policies.loader import policy_from_spec
@@ -38,6 +39,7 @@ DEFAULT_SPACES = {
     "aimd": {"additive_step": [1, 8], "decrease_factor": [0.3, 0.95], "fill_threshold": [0.5, 1.0], "cooldown_seconds": [0, 20]},
     "slo": {"budget_fraction": [0.2, 1.0], "headroom": [0.0, 1.0]},
     "search": {"settle_seconds": [2, 20], "trial_seconds": [4, 40], "min_improvement": [0.0, 0.2]},
+    "generate": {"headroom": [0.3, 1.0], "growth_step": [1, 8], "decrease_factor": [0.5, 0.9], "fill_threshold": [0.5, 1.0]},
 }
 
 DEFAULT_STATIC_GRID = {
@@ -69,7 +71,8 @@ def score(problem: Problem, spec: dict | None, knobs: Knobs | None = None) -> tu
     metrics = {"goodput": [], "slo_attainment": [], "cost_per_request": [], "p99": []}
     for arrivals in problem.workloads:
         policy = policy_from_spec(spec, "tune candidate") if spec is not None else None
-        summary = simulate(arrivals, problem.cost_model, sim, policy).summary()
+        run = simulate_generation if isinstance(sim, GenSimConfig) else simulate  # a generation problem's sim is a GenSimConfig
+        summary = run(arrivals, problem.cost_model, sim, policy).summary()
         for key in ("goodput", "slo_attainment", "cost_per_request"):
             metrics[key].append(summary[key])
         metrics["p99"].append(summary["latency_seconds"]["p99"])

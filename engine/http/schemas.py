@@ -143,3 +143,5 @@ class KnobsPatch(Strict):
     io_threads: StrictInt | None = None
     batch_timeout: Annotated[float, Field(allow_inf_nan=False)] | None = None
     max_batch_size: StrictInt | None = None
+    max_batch_tokens: StrictInt | None = None
+    kv_tokens: StrictInt | None = None

@@ -1,0 +1,188 @@
+"""Generation: the process × thread layout, running sequences, prompt tokens per step and the KV
+cap, tuned against a TTFT p99 and an ITL (inter-token latency) p99 objective.
+
+Each decision reads the window's TTFT and ITL p99s and the workers' sequences and KV figures and
+makes at most one move, the first of these that applies:
+
+1. too few inter-token latencies in the window (`min_tokens`), or a change younger than
+   `cooldown_seconds`: hold, nothing measured under the current knobs yet;
+2. preemptions in the window: the KV cap thrashes (each one recomputes a sequence). If the
+   kv_tokens knob is what binds (set, and the workers run at it, below their ceiling), double it
+   (up to 0, the whole ceiling); else, if max_batch_size lets in more rows than the fullest
+   worker's cache holds at its rows' current width (with 10 % to spare), fewer running sequences:
+   down to that, by at most decrease_factor a decision; else hold (the rows outgrew the cache
+   while running: the preemptions themselves bring it back);
+3. ITL p99 over its objective: a decode step is too slow. If the prompt tokens one step prefills
+   (a mean prompt, the prompt tokens arriving during one step, or those waiting in the workers) pass
+   half of max_batch_tokens, halve it, not below `min_batch_tokens` (a step that prefills a whole
+   chunk is the slow one; a chunk prompts never fill would change nothing); else, with full
+   batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
+   or too few first tokens to judge it while sequences queue (capacity is short: fewer rows would
+   only lengthen the queue; hold); else more threads per worker and fewer workers (the same
+   rows on more cores: a bet that a step of more threads is faster, true on a quiet CPU);
+4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective): when
+   sequences queue (in the front or in a worker) and batches are full, a larger batch (+
+   `growth_step`; continuous batching makes more tokens per second at a larger batch), else one
+   more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
+   prefill: a larger max_batch_tokens (fewer steps per prompt);
+5. otherwise hold (both met, or TTFT over with no ITL headroom: capacity is short, said so).
+
+The threads a layout spreads over are the bounds' most threads per worker (the controller sets
+it to the usable cores). Only the knobs named here change; batch_timeout and io_threads pass through.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from engine.config import Bounds, Knobs
+from monitors.observation import Observation
+from policies.base import Decision, Params, clamp_knob, describe_changes
+
+
+class GenerateParams(Params):
+    ttft_p99_seconds: float = Field(2.0, gt=0)
+    """Time to first token objective (p99, seconds)."""
+    itl_p99_seconds: float = Field(0.25, gt=0)
+    """Inter-token latency objective (p99, seconds)."""
+    min_tokens: int = Field(20, ge=1)
+    """Inter-token latencies the window needs before the policy acts."""
+    min_requests: int = Field(5, ge=1)
+    """First tokens the window needs before TTFT is judged."""
+    headroom: float = Field(0.7, gt=0, le=1)
+    """Grow (batch, workers, chunk) for TTFT only while ITL p99 <= headroom × its objective."""
+    decrease_factor: float = Field(0.75, gt=0, lt=1)
+    """max_batch_size is multiplied by this to shrink (down by at least 1)."""
+    growth_step: int = Field(4, ge=1)
+    """Running sequences added when TTFT is over from queueing and batches are full."""
+    fill_threshold: float = Field(0.8, gt=0, le=1)
+    """Batches are full when the ready workers hold on average >= this × max_batch_size sequences."""
+    min_batch_tokens: int = Field(32, ge=1)
+    """max_batch_tokens is never halved below this."""
+    cooldown_seconds: float = Field(10.0, ge=0)
+    """Hold this long after a change, so the window measures the new knobs (one sampler window)."""
+
+
+class GeneratePolicy:
+    """TTFT and ITL objectives -> layout, running sequences, step token budget and KV cap."""
+
+    kind = "generate"
+
+    def __init__(self, params: GenerateParams | None = None):
+        self.params = params if params is not None else GenerateParams()
+        self.name = self.kind
+        self._changed_at: float | None = None
+
+    def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
+        p = self.params
+        itl = observation.load.latency.get("itl")
+        if itl is None or itl.count < p.min_tokens or itl.p99 is None:
+            return Decision(knobs, f"{itl.count if itl else 0} of {p.min_tokens} inter-token latencies in the window: holding")
+        if self._changed_at is not None and observation.time - self._changed_at < p.cooldown_seconds:
+            return Decision(knobs, f"cooldown after the last change ({p.cooldown_seconds:g}s): holding")
+        ttft = observation.load.latency.get("ttft")
+        ttft_p99 = ttft.p99 if ttft is not None and ttft.count >= p.min_requests else None
+        state = f"TTFT p99 {_ms(ttft_p99)} of {_ms(p.ttft_p99_seconds)}, ITL p99 {_ms(itl.p99)} of {_ms(p.itl_p99_seconds)}"
+        ttft_over = ttft_p99 is not None and ttft_p99 > p.ttft_p99_seconds
+        # Too few first tokens to judge TTFT (a slow, queued engine makes few): a queue says the same.
+        short = ttft_over or (ttft_p99 is None and _queueing(observation))
+        move = (
+            self._kv_thrash(observation, knobs, bounds)
+            or (self._itl_over(observation, knobs, bounds, short) if itl.p99 > p.itl_p99_seconds else None)
+            or (self._ttft_over(observation, knobs, bounds) if ttft_over else None)
+        )
+        if move is None:
+            return Decision(knobs, f"{state}: holding")
+        proposal, why = move
+        changes = describe_changes(knobs, proposal)
+        if not changes:
+            return Decision(knobs, f"{state}; {why}: no change")
+        self._changed_at = observation.time
+        return Decision(proposal, f"{state}; {why}: {changes}")
+
+    def _kv_thrash(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str] | None:
+        ready = _ready(observation)
+        preempted = sum(w.preemptions for w in ready)
+        if not preempted:
+            return None
+        why = f"{preempted} preemptions in the window"
+        running_at = max((w.kv_tokens_total for w in ready), default=0)
+        if knobs.kv_tokens and running_at >= knobs.kv_tokens:
+            return knobs.replace(kv_tokens=clamp_knob(bounds, "kv_tokens", knobs.kv_tokens * 2)), f"{why}, the KV cap binds"
+        fullest = max(ready, key=lambda w: w.kv_tokens_used)
+        if not fullest.running_sequences or not fullest.kv_tokens_used or not fullest.kv_tokens_total:
+            return self._fewer_sequences(knobs, bounds), f"{why} at the KV ceiling"
+        width = fullest.kv_tokens_used / fullest.running_sequences
+        fits = max(1, int(0.9 * fullest.kv_tokens_total / width))
+        if knobs.max_batch_size <= fits:
+            return None  # the limit already fits the cache: the rows grew into it, preemption copes
+        smaller = max(fits, int(knobs.max_batch_size * self.params.decrease_factor))
+        return knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", smaller)), f"{why}: {fits} rows of {width:.0f} slots fit the KV cache"
+
+    def _itl_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, short: bool) -> tuple[Knobs, str]:
+        chunk = knobs.max_batch_tokens
+        half = max(self.params.min_batch_tokens, chunk // 2) if chunk else 256  # 0 prefilled whole prompts: start chunking
+        if (chunk == 0 or chunk > self.params.min_batch_tokens) and _prefill_per_step(observation) > half:
+            return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", half)), "ITL over with prompts prefilling: smaller prefill chunks"
+        if self._batches_full(observation, knobs):
+            if short:  # fewer rows would cut the tokens per second that a queue already lacks
+                return knobs, "ITL over with full batches and TTFT over (or sequences queued): capacity short, holding"
+            return self._fewer_sequences(knobs, bounds), "ITL over with full batches: fewer rows per step"
+        return self._layout(knobs, bounds, knobs.process_count - 1), "ITL over: more threads per step"
+
+    def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str]:
+        itl = observation.load.latency["itl"]
+        if itl.p99 > self.params.headroom * self.params.itl_p99_seconds:
+            return knobs, f"TTFT over but ITL has no headroom (> {self.params.headroom:g} × its objective): capacity short, holding"
+        queueing = _queueing(observation)
+        full = self._batches_full(observation, knobs)
+        if queueing and full and knobs.max_batch_size < bounds.max_batch_size[1]:
+            grown = clamp_knob(bounds, "max_batch_size", knobs.max_batch_size + self.params.growth_step)
+            return knobs.replace(max_batch_size=grown), "TTFT over, sequences queue behind full batches: a larger batch"
+        if queueing:
+            return self._layout(knobs, bounds, knobs.process_count + 1), "TTFT over, sequences queue: one more worker"
+        chunk = knobs.max_batch_tokens * 2 if knobs.max_batch_tokens else 0
+        return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", chunk)), "TTFT over, nothing queues: larger prefill chunks"
+
+    def _batches_full(self, observation: Observation, knobs: Knobs) -> bool:
+        ready = _ready(observation)
+        held = sum(w.load for w in ready) / len(ready) if ready else 0.0
+        return held >= self.params.fill_threshold * knobs.max_batch_size
+
+    def _fewer_sequences(self, knobs: Knobs, bounds: Bounds) -> Knobs:
+        smaller = min(knobs.max_batch_size - 1, int(knobs.max_batch_size * self.params.decrease_factor))
+        return knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", smaller))
+
+    @staticmethod
+    def _layout(knobs: Knobs, bounds: Bounds, processes: int) -> Knobs:
+        """`processes` workers (within bounds), the most threads the bounds allow spread over them."""
+        processes = clamp_knob(bounds, "process_count", processes)
+        threads = clamp_knob(bounds, "threads_per_process", bounds.threads_per_process[1] // processes)
+        return knobs.replace(process_count=processes, threads_per_process=threads)
+
+
+def _prefill_per_step(observation: Observation) -> float:
+    """Prompt tokens a step would prefill, from the window: the largest of a mean prompt, the
+    prompt tokens arriving during one step (about the mean inter-token latency) and the prompts
+    waiting in the workers now; a smaller chunk only changes a step past it."""
+    load = observation.load
+    ttft, itl = load.latency.get("ttft"), load.latency.get("itl")
+    if ttft is None or not ttft.count or load.items_rate <= 0:
+        return 0.0  # no prompt reached a worker in the window
+    prompt = load.input_tokens_per_second / load.items_rate
+    waiting = sum(w.waiting_sequences for w in observation.workers)
+    arriving = load.input_tokens_per_second * (itl.mean or 0.0) if itl is not None else 0.0
+    return max(prompt, arriving, waiting * prompt)
+
+
+def _queueing(observation: Observation) -> bool:
+    """Sequences wait for a place: in the front's queue or inside a worker."""
+    return observation.load.queue_depth > 0 or any(w.waiting_sequences for w in observation.workers)
+
+
+def _ready(observation: Observation):
+    return [w for w in observation.workers if w.state == "ready"]
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"

@@ -1,0 +1,124 @@
+"""The generation knobs live: running sequences (max_batch_size), prompt tokens per step
+(max_batch_tokens) and KV tokens per worker (kv_tokens) change while sequences run, in the runner
+and through a real engine's workers, and no stream loses or changes a token."""
+
+from __future__ import annotations
+
+import pytest
+from test_engine_generation import PROMPTS as ENGINE_PROMPTS
+from test_engine_generation import reference_tokens
+from test_generation import EOS, PROMPTS, drain, gpt2, greedy, llama, model, reference, tokens  # noqa: F401  (fixtures)
+
+from engine.config import Bounds, EngineConfig, KnobError, Knobs, kv_cap
+from engine.engine import Engine
+from engine.generation import GenerationRunner, SequenceRequest
+from engine.sampling import SamplingParams
+
+MAX_TOKENS = 24
+
+
+def test_the_kv_knob_caps_below_the_ceiling_and_zero_means_all_of_it():
+    assert kv_cap(0, 1000) == 1000 and kv_cap(300, 1000) == 300 and kv_cap(5000, 1000) == 1000
+    assert kv_cap(0, None) is None and kv_cap(64, None) == 64
+
+
+def test_bounds_hold_the_generation_knobs():
+    with pytest.raises(KnobError, match=r"max_batch_tokens=-1 is outside"):
+        Bounds().validate(Knobs(max_batch_tokens=-1))
+    with pytest.raises(KnobError, match=r"kv_tokens=100 is outside the allowed range \[200, 400\]"):
+        Bounds(kv_tokens=(200, 400)).validate(Knobs(kv_tokens=100))
+
+
+def test_lowering_the_kv_cap_mid_run_preempts_and_changes_no_token(model):
+    runner = GenerationRunner(model, [EOS], max_running=6, kv_tokens=1000)
+    caps = []
+
+    def check(step, r, outs):
+        if step == 4:
+            r.kv_tokens = 64  # six rows of ~20 columns hold ~120 slots: some must go
+        if step > 4:
+            caps.append(r.kv_tokens_used)
+
+    got = drain(runner, {0: [SequenceRequest(i, p, greedy(MAX_TOKENS)) for i, p in PROMPTS.items()]}, check=check)
+    for seq_id, prompt in PROMPTS.items():
+        assert tokens(got[seq_id]) == reference(model, prompt, MAX_TOKENS), seq_id
+    assert runner.preemptions > 0 and max(caps[1:]) <= 64
+
+
+def test_a_cap_below_one_sequence_runs_it_alone_instead_of_failing(gpt2):
+    runner = GenerationRunner(gpt2, [EOS], max_running=4, kv_tokens=None, kv_ceiling=200)
+    runner.add(SequenceRequest(1, tuple(range(10, 30)), greedy(30)))  # 50 slots alone
+    runner.step()
+    runner.kv_tokens = 16  # lower than that one sequence needs: it goes on, alone
+    runner.add(SequenceRequest(2, (5, 6), greedy(3)))  # still checked against the ceiling, not the cap
+    got = drain(runner)
+    assert len(got[1]) == 29 and len(got[2]) == 3
+
+
+def test_the_prefill_chunk_changes_mid_prompt(gpt2):
+    runner = GenerationRunner(gpt2, [EOS], max_running=4, prefill_chunk=4)
+    prompt = tuple(range(100, 140))
+    runner.add(SequenceRequest(1, prompt, greedy(6)))
+    assert runner.step() == [] and runner.step() == []  # two chunks of 4 of 40
+    runner.prefill_chunk = None  # whole prompts now: the rest goes in one step
+    (first,) = runner.step()
+    got = [first] + drain(runner)[1]
+    assert tokens(got) == reference(gpt2, prompt, 6)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_causal_lm):
+    config = EngineConfig(model=tiny_causal_lm, task="generate", knobs=Knobs(process_count=1, max_batch_size=4))
+    with Engine(config) as eng:
+        yield eng
+
+
+def test_knobs_change_live_on_a_running_engine_without_breaking_a_stream(engine, tiny_causal_lm):
+    """Mid-stream: fewer running sequences, a small KV cap and small prefill chunks reach the worker
+    (its /stats figures and its preemptions show it), and every stream still equals generate alone."""
+    max_tokens = 200
+    streams = [engine.generate(p, SamplingParams(max_tokens=max_tokens, temperature=0)) for p in ENGINE_PROMPTS]
+    first = streams[0].get(timeout=30)  # streaming has begun
+    engine.apply(engine.knobs.replace(max_batch_size=2, kv_tokens=256, max_batch_tokens=8))
+    got = [[first.token_id] + [e.token_id for e in streams[0]]] + [[e.token_id for e in s] for s in streams[1:]]
+    for prompt, ids in zip(ENGINE_PROMPTS, got):
+        assert ids == reference_tokens(tiny_causal_lm, prompt, max_tokens)[: len(ids)]
+        assert len(ids) == max_tokens or ids[-1] in engine.info.eos_token_ids
+    list(engine.generate(ENGINE_PROMPTS[1], SamplingParams(max_tokens=2, temperature=0)))  # one more step reports
+    (worker,) = engine.stats().workers
+    assert (worker.max_running_sequences, worker.kv_tokens_total, worker.max_batch_tokens) == (2, 256, 8)
+    assert worker.preemptions > 0  # rows of ~200 columns: a 256-slot cap holds one at a time
+    assert engine.stats().knobs.kv_tokens == 256
+    with pytest.raises(KnobError, match="max_batch_tokens"):
+        engine.apply(engine.knobs.replace(max_batch_tokens=-1))
+    engine.apply(engine.knobs.replace(max_batch_size=4, kv_tokens=0, max_batch_tokens=256))
+    list(engine.generate(ENGINE_PROMPTS[1], SamplingParams(max_tokens=2, temperature=0)))
+    (worker,) = engine.stats().workers
+    assert worker.kv_tokens_total == engine.info.kv_tokens and worker.max_batch_tokens == 256  # 0: the whole ceiling
+
+
+def test_the_config_sets_the_generation_knobs_and_their_bounds(tmp_path):
+    from autotune.settings import load_config
+
+    path = tmp_path / "gen.yaml"
+    path.write_text("concurrency:\n  max_batch_tokens: 64\n  kv_tokens: 4096\nbounds:\n  kv_tokens: {min: 1024, max: 8192}\n")
+    config = load_config(path).engine_config()
+    assert (config.knobs.max_batch_tokens, config.knobs.kv_tokens, config.bounds.kv_tokens) == (64, 4096, (1024, 8192))
+
+
+def test_a_generating_engines_observations_carry_ttft_itl_and_the_workers_sequences(engine):
+    from autotune.controller import ControllerConfig, DecisionLoop
+    from autotune.telemetry import Telemetry
+    from policies.generate import GeneratePolicy
+
+    telemetry = Telemetry(engine, window=60.0)
+    telemetry.sample_now()
+    for prompt in ENGINE_PROMPTS:
+        list(engine.generate(prompt, SamplingParams(max_tokens=20, temperature=0)))
+    observation = telemetry.sample_now()
+    ttft, itl = observation.load.latency["ttft"], observation.load.latency["itl"]
+    assert ttft.count == len(ENGINE_PROMPTS) and itl.count >= 19 * len(ENGINE_PROMPTS) and 0 < itl.p99 and 0 < ttft.p99
+    (worker,) = observation.workers
+    assert worker.kv_tokens_total == engine.info.kv_tokens and worker.running_sequences == 0
+    entry = DecisionLoop(GeneratePolicy(), engine.config.bounds, ControllerConfig()).entry(observation, engine.knobs, None, None, "x", "y")
+    assert entry["observation"]["itl_p99_seconds"] == round(itl.p99, 5) and entry["observation"]["preemptions"] == 0
