@@ -158,6 +158,11 @@ class ClusterSection(Section):
     replica_cpus: Annotated[float, Field(gt=0)] | None = None
     """CPUs a replica reserves from Ray (null: 1). At most one replica runs on a node and it uses
     all of that node's CPUs, whatever it reserves."""
+    ingress: Literal["proxy", "haproxy"] = "proxy"
+    """proxy: Ray Serve's Python proxies, with selftune's middleware (embeddings retried when their
+    replica dies, a typed error for a broken stream); haproxy: Ray Serve's direct ingress, each
+    replica serving HTTP itself behind HAProxy, far less CPU per request, HAProxy's own retries
+    (a request whose replica closed without an answer), streams cut without an event."""
     retries: Annotated[int, Field(ge=0, le=10)] = 3
     """Times an embeddings request is sent again to another replica when its replica dies."""
 

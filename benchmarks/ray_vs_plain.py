@@ -34,8 +34,13 @@ def free_port() -> int:
 
 def start(path: str, port: int, log_path: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "autotune.cli", "serve", "--port", str(port)]
-    if path == "ray":
+    if path.startswith("ray"):
         command += ["--ray", "local:1"]
+    if path == "ray-haproxy":  # cluster.ingress: haproxy, Ray Serve's direct ingress
+        config = os.path.join(os.path.dirname(log_path), "haproxy.yaml")
+        with open(config, "w") as f:
+            f.write("cluster: {ingress: haproxy}\n")
+        command += ["--config", config]
     proc = subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -68,7 +73,7 @@ def group(proc: psutil.Process) -> str:
         return "front (Ray replica)"
     if name.startswith("ray::ProxyActor"):
         return "Ray proxy"
-    if name.startswith("ray::") or name in ("raylet", "gcs_server") or "ray/" in cmdline:
+    if name.startswith("ray::") or name in ("raylet", "gcs_server", "haproxy") or "ray/" in cmdline:
         return "Ray, other"
     if "autotune.cli" in cmdline and "serve" in cmdline:
         return "front (selftune serve)"
@@ -127,11 +132,12 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=40.0, help="fixed rate of the CPU-per-request measurement")
     parser.add_argument("--out", default="benchmarks/out/ray")
     parser.add_argument("--full", action="store_true", help="the full ladder (default: --quick)")
+    parser.add_argument("--haproxy", action="store_true", help="also cluster.ingress: haproxy, Ray Serve's direct ingress (ray-haproxy)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = []
     for round_ in range(1, args.rounds + 1):
-        for path in ("plain", "ray"):
+        for path in ("plain", "ray") + (("ray-haproxy",) if args.haproxy else ()):
             port = free_port()
             tag = f"{path}-{round_}"
             print(f"[{time.strftime('%H:%M:%S')}] {tag}: starting", flush=True)
@@ -141,6 +147,8 @@ def main() -> int:
                 bench = [sys.executable, "-m", "autotune.cli", "bench", "--url", url, "--no-limit", "--no-generator-check",
                          "--out", os.path.join(args.out, tag), "--json"] + ([] if args.full else ["--quick"])
                 done = subprocess.run(bench, capture_output=True, text=True, timeout=1800)
+                if done.returncode != 0 or not done.stdout.strip():
+                    raise RuntimeError(f"{tag}: the bench failed ({done.returncode}): {done.stderr[-2000:]}")
                 report = json.loads(done.stdout.strip().splitlines()[-1])
                 mode = report["modes"][0]
                 cpu = cpu_per_request(url, args.rate, 20.0)
@@ -157,8 +165,9 @@ def main() -> int:
     for r in results:
         print(f"| {r['path']} | {r['round']} | {r['max_qps']:.1f} | {r['p99_at_max_ms']:.0f} | {r['cpu_ms_per_request']} |")
     for round_ in range(1, args.rounds + 1):
-        plain, ray = (next(r for r in results if r["round"] == round_ and r["path"] == p) for p in ("plain", "ray"))
-        print(f"round {round_}: ray / plain = {ray['max_qps'] / plain['max_qps']:.2f}")
+        plain = next(r for r in results if r["round"] == round_ and r["path"] == "plain")
+        for other in (r for r in results if r["round"] == round_ and r["path"] != "plain"):
+            print(f"round {round_}: {other['path']} / plain = {other['max_qps'] / plain['max_qps']:.2f}")
     return 0
 
 

