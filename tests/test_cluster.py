@@ -218,3 +218,11 @@ def test_node_environment_follows_the_ingress():
     haproxy = node_environment(load_config(None, {"cluster.ingress": "haproxy"}))
     assert haproxy["RAY_SERVE_ENABLE_HA_PROXY"] == haproxy["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert "empty-response" in haproxy["RAY_SERVE_HAPROXY_RETRY_ON"] and "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" not in haproxy
+
+
+def test_a_bad_ray_target_stops_serve_before_anything_starts():
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, "-m", "autotune.cli", "serve", "--ray", "local:0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ray: expected auto or local:N" in bad.stderr

@@ -33,7 +33,7 @@ def ray_server(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     policy = tmp / "cluster-policy.yaml"
     # Short windows so that the test sees both changes in about a minute.
-    policy.write_text("kind: replicas\nscale_up_stabilization_seconds: 2\nscale_down_stabilization_seconds: 8\n")
+    policy.write_text("kind: replicas\nscale_up_stabilization_seconds: 2\nscale_down_stabilization_seconds: 6\n")
     audit = tmp / "cluster-audit.jsonl"
     config = tmp / "config.yaml"
     config.write_text(
@@ -110,6 +110,7 @@ class Load:
         return self.statuses
 
 
+@pytest.mark.slow  # ~45 s on 2 cores; the suite keeps the cluster test above (-m slow runs this)
 def test_load_step_scales_up_survives_a_killed_replica_and_scales_back(ray_server):
     url, audit = ray_server
     load = Load(url, clients=6)
@@ -119,7 +120,7 @@ def test_load_step_scales_up_survives_a_killed_replica_and_scales_back(ray_serve
         victim = two["replicas"][0]
         served_before = len(load.statuses)
         os.kill(victim["pid"], signal.SIGKILL)  # the replica's process: the engine's front
-        time.sleep(10)
+        time.sleep(6)
         assert len(load.statuses) > served_before  # the other replica kept answering
     finally:
         statuses = load.end()

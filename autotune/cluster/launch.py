@@ -133,12 +133,13 @@ def stop(local) -> None:
 
     from autotune.cluster import registry
 
-    serve.shutdown()
-    try:
-        ray.kill(ray.get_actor(registry.NAME, namespace=registry.NAMESPACE))
-    except ValueError:
-        pass  # never created
-    ray.shutdown()
+    if ray.is_initialized():  # not when joining a cluster failed: shutting Serve down would start one
+        serve.shutdown()
+        try:
+            ray.kill(ray.get_actor(registry.NAME, namespace=registry.NAMESPACE))
+        except ValueError:
+            pass  # never created
+        ray.shutdown()
     if local is not None:
         local.shutdown()
 
