@@ -44,6 +44,8 @@ def add_config_options(parser) -> None:
     parser.add_argument("--config", help="YAML config file, or builtin:NAME for a shipped one (default: builtin:default)")
     parser.add_argument("--model", help="model directory, builtin:minilm, builtin:smollm2, a .gguf file, or a cached hub name")
     parser.add_argument("--task", choices=["embed", "generate"])
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="model.dtype")
+    parser.add_argument("--backend", choices=["auto", "torch", "onnxruntime"], help="model.backend (embeddings)")
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME", help="names requests may use for the model (model.served_names)")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
@@ -61,6 +63,8 @@ def config_overrides(args) -> dict:
         for key, value in {
             "model.name": args.model,
             "model.task": args.task,
+            "model.dtype": args.dtype,
+            "model.backend": args.backend,
             "model.served_names": args.served_model_name,
             "server.host": args.host,
             "server.port": args.port,

@@ -99,15 +99,17 @@ class SelftuneCollector(Collector):
         if engine is None or getattr(engine, "source", None) is None:
             return
         choice = engine.dtype_choice or {}
-        labels = ["model", "task", "device", "dtype", "requested_dtype", "dtype_mode"]
-        info = GaugeMetricFamily("selftune_model_info", "The served model, device and dtype (value is always 1)", labels=labels)
+        labels = ["model", "task", "device", "dtype", "requested_dtype", "dtype_mode", "backend"]
+        info = GaugeMetricFamily("selftune_model_info", "The served model, device, dtype and backend (value is always 1)", labels=labels)
         info.add_metric([engine.source.name, engine.config.task, str(engine.device), str(engine.dtype),
-                         str(choice.get("requested", engine.config.dtype)), str(choice.get("mode", ""))], 1)
+                         str(choice.get("requested", engine.config.dtype)), str(choice.get("mode", "")), str(choice.get("backend", "torch"))], 1)
         yield info
         for key, name, doc in (
             ("min_cosine", "selftune_model_dtype_min_cosine", "Worst cosine of the served dtype's embeddings to fp32's on the start-up probe set (1 for fp32)"),
             ("bf16_min_cosine", "selftune_model_bf16_min_cosine", "Worst cosine of bf16's embeddings to fp32's on the start-up probe set, as probed"),
             ("bf16_speedup", "selftune_model_bf16_speedup_ratio", "bf16's probe batch speed over fp32's, measured interleaved at start-up"),
+            ("onnxruntime_min_cosine", "selftune_model_onnxruntime_min_cosine", "Worst cosine of ONNX Runtime's embeddings to torch fp32's on the start-up probe set, as probed"),
+            ("onnxruntime_speedup", "selftune_model_onnxruntime_speedup_ratio", "ONNX Runtime's probe batch speed over torch fp32's, measured interleaved at start-up"),
         ):
             if choice.get(key) is not None:
                 yield _gauge(name, doc, float(choice[key]))

@@ -42,6 +42,7 @@ class ModelSection(Section):
     task: Literal["embed", "generate"] = "embed"
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    backend: Literal["auto", "torch", "onnxruntime"] = "auto"
     max_input_tokens: Annotated[int, Field(ge=1)] | None = None
     kv_cache_mib: Annotated[int, Field(ge=1, le=1_048_576)] = 1024
     pack_row_tokens: Annotated[int, Field(ge=0, le=65536)] = packing.DEFAULT_ROW_TOKENS
@@ -54,6 +55,17 @@ class ModelSection(Section):
         if isinstance(values, dict) and "prefill_chunk_tokens" in values:
             raise ValueError("prefill_chunk_tokens moved to concurrency.max_batch_tokens (a live knob now)")
         return values
+
+    @model_validator(mode="after")
+    def _onnx_runs_fp32_embeddings_on_cpu(self):
+        if self.backend == "onnxruntime":
+            if self.task != "embed":
+                raise ValueError("backend: onnxruntime serves embeddings only (task: embed); use auto or torch for generate")
+            if self.dtype not in ("auto", "float32"):
+                raise ValueError(f"backend: onnxruntime runs float32; dtype: {self.dtype} needs backend: torch (or auto)")
+            if self.device.startswith("cuda"):
+                raise ValueError(f"backend: onnxruntime runs on the CPU here; device: {self.device} needs backend: torch (or auto)")
+        return self
 
 
 class ConcurrencySection(Section):
@@ -226,7 +238,7 @@ class ServerConfig(Section):
     def engine_config(self) -> EngineConfig:
         m = self.model
         return EngineConfig(
-            model=m.name, task=m.task, device=m.device, dtype=m.dtype, max_input_tokens=m.max_input_tokens,
+            model=m.name, task=m.task, device=m.device, dtype=m.dtype, backend=m.backend, max_input_tokens=m.max_input_tokens,
             kv_cache_mib=m.kv_cache_mib, pack_row_tokens=m.pack_row_tokens, knobs=self.knobs(), bounds=self.bounds_obj(),
             restart_backoff=(self.supervision.restart_backoff_seconds, self.supervision.restart_backoff_max_seconds),
             placement=self.placement.mode,

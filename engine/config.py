@@ -101,6 +101,11 @@ class Bounds:
         return Knobs(**changes)
 
 
+def default_cache_dir() -> str:
+    """$SELFTUNE_CACHE, else ~/.cache/selftune."""
+    return os.environ.get("SELFTUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "selftune"))
+
+
 INFLIGHT_BATCHES = 1
 """One batch per worker: the next batch forms when a worker frees, from everything queued by
 then, so it is fuller and packs better. Measured on 2 cores at 140 req/s of 10–50-token
@@ -119,6 +124,9 @@ class EngineConfig:
     dtype: str = "auto"
     """auto: embeddings measure bf16 against fp32 at start-up (engine.zygote); generation takes
     float32 on CPU, bf16 (or fp16) on CUDA. Or float32, bfloat16, float16 as named."""
+    backend: str = "auto"
+    """Embeddings: `auto` (torch, or ONNX Runtime where it measures faster at start-up and holds
+    the fidelity bar; only with dtype auto), `torch`, or `onnxruntime` (fp32, CPU)."""
     kv_cache_mib: int = 1024
     """Generation: memory each worker's KV cache may hold (the ceiling of the kv_tokens knob);
     sequences wait (and the youngest are preempted) rather than pass it, and a request that
@@ -147,9 +155,5 @@ class EngineConfig:
     crash_loop: tuple[int, float] = (5, 60.0)
     """(deaths, seconds): that many unexpected worker deaths within that window is a crash
     loop: the engine stops replacing workers and reports itself not ready."""
-    cache_dir: str = field(
-        default_factory=lambda: os.environ.get(
-            "SELFTUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "selftune")
-        )
-    )
-    """Where converted models (e.g. GGUF -> safetensors) are kept."""
+    cache_dir: str = field(default_factory=default_cache_dir)
+    """Where converted models (GGUF -> safetensors, ONNX exports) are kept."""

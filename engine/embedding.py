@@ -41,6 +41,11 @@ class EmbeddingRunner:
         """The residual stream's dtype (the embeddings')."""
         self._autocast = self.compute_dtype != self.activation_dtype
         self._device_type = torch.device(device).type
+        self.hidden_size = int(getattr(getattr(model, "config", None), "hidden_size", 0)) or int(next(model.parameters()).shape[-1])
+
+    def set_threads(self, threads: int) -> None:
+        """torch's intra-op pool is the process's: one size for every runner in it."""
+        torch.set_num_threads(threads)
 
     def _forward(self, **inputs) -> torch.Tensor:
         """The model's last hidden state, in fp32 for pooling; mixed precision under autocast."""
@@ -127,6 +132,22 @@ class EmbeddingRunner:
         return agree
 
 
+def load_served_runner(model_path: str, served: str, pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS, threads: int = 1):
+    """A runner for what the server serves (`served`: engine.onnx_embedding.served_name of its
+    choice), loaded as the zygote loads it, for the bench's limit and the profiler to measure:
+    torch `float32` or `bfloat16` (mixed), or `onnxruntime` on the cached export (the choice made it)."""
+    from engine.config import default_cache_dir
+    from engine.loading import load_model, resolve_dtype
+
+    if served == "onnxruntime":
+        from engine.onnx_embedding import OnnxEmbeddingRunner, export_path
+
+        return OnnxEmbeddingRunner(export_path(model_path, default_cache_dir()), threads)
+    torch.set_num_threads(threads)
+    model = load_model(model_path, "embed", resolve_dtype(served, "cpu"))
+    return EmbeddingRunner(model, "cpu", pack_row_tokens, int(getattr(model.config, "vocab_size", 0) or 1000))
+
+
 PROBE_TEXTS = (
     "hello world",
     "What is the capital of France?",
@@ -162,26 +183,22 @@ def _batch(ids: list[list[int]]) -> tuple[np.ndarray, tuple[int, ...]]:
 
 
 def probe_dtype(model, device: str, candidate, ids: list[list[int]], rounds: int = 3, timing: bool = True,
-                pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS, vocab_size: int = 1000) -> dict:
-    """The fp32 `model` against a mixed-precision copy of it in `candidate` (torch.bfloat16).
+                pack_row_tokens: int = packing.DEFAULT_ROW_TOKENS, vocab_size: int = 1000, others: dict | None = None) -> dict:
+    """The fp32 `model` against a mixed-precision copy of it in `candidate` (torch.bfloat16; None:
+    no copy), and against `others` (name -> a runner of another backend, e.g. ONNX Runtime).
 
     Fidelity: each probe input's embedding from the candidate, in the packed and the padded
-    batch, against fp32's padded batch (which equals each input alone); the worst cosine.
-    Speed (`timing`): the packed probe batch in both, interleaved A B, B A, ... for `rounds`
-    rounds after one warm-up each; the fastest of each (noise on a shared machine only adds).
-    Leaves `model` as it was; the copy costs one model's memory while it lives."""
+    batch (from another backend, as it serves), against fp32's padded batch (which equals each
+    input alone); the worst cosine. Speed (`timing`): the probe batch in each, in turns whose
+    order rotates (engine.embedding._interleaved). Leaves `model` as it was; the copy costs one
+    model's memory while it lives. `others`' results are under "others": {name: {min_cosine,
+    ms, speedup}}."""
     import copy
 
     from engine.loading import to_mixed_precision
 
     started = time.perf_counter()
     reference = model if device == "cpu" else copy.deepcopy(model).to(device)
-    trial = to_mixed_precision(copy.deepcopy(model), candidate).to(device)
-    runners = {
-        "float32": EmbeddingRunner(reference, device, pack_row_tokens, vocab_size),
-        "candidate": EmbeddingRunner(trial, device, pack_row_tokens, vocab_size),
-    }
-    padded_only = EmbeddingRunner(trial, device, 0, vocab_size)
     matrix, lengths = _batch(ids)
     hidden = int(getattr(model.config, "hidden_size", 0)) or int(next(model.parameters()).shape[-1])
 
@@ -190,34 +207,48 @@ def probe_dtype(model, device: str, candidate, ids: list[list[int]], rounds: int
         runner.run(matrix, lengths, out)
         return out
 
-    expected = EmbeddingRunner(reference, device, 0, vocab_size)
-    want = embed(expected)
-    packed = embed(runners["candidate"])
-    padded = embed(padded_only)
-    cos_packed = (packed * want).sum(axis=1)
-    cos_padded = (padded * want).sum(axis=1)
-    result = {
-        "candidate": str(candidate).removeprefix("torch."),
-        "probe_inputs": len(lengths),
-        "min_cosine": float(min(cos_packed.min(), cos_padded.min())),
-        "min_cosine_packed": float(cos_packed.min()),
-        "min_cosine_padded": float(cos_padded.min()),
-        "worst_input": int(np.argmin(np.minimum(cos_packed, cos_padded))),
-    }
+    want = embed(EmbeddingRunner(reference, device, 0, vocab_size))
+    runners = {"float32": EmbeddingRunner(reference, device, pack_row_tokens, vocab_size)}
+    result: dict = {"probe_inputs": len(lengths), "others": {}}
+    if candidate is not None:
+        trial = to_mixed_precision(copy.deepcopy(model), candidate).to(device)
+        runners["candidate"] = EmbeddingRunner(trial, device, pack_row_tokens, vocab_size)
+        cos_packed = (embed(runners["candidate"]) * want).sum(axis=1)
+        cos_padded = (embed(EmbeddingRunner(trial, device, 0, vocab_size)) * want).sum(axis=1)
+        result.update(candidate=str(candidate).removeprefix("torch."), min_cosine=float(min(cos_packed.min(), cos_padded.min())),
+                      min_cosine_packed=float(cos_packed.min()), min_cosine_padded=float(cos_padded.min()),
+                      worst_input=int(np.argmin(np.minimum(cos_packed, cos_padded))))
+    for name, runner in (others or {}).items():
+        runners[name] = runner
+        result["others"][name] = {"min_cosine": float((embed(runner) * want).sum(axis=1).min())}
     if timing:
-        times: dict[str, list[float]] = {"float32": [], "candidate": []}
-        for name in times:
-            embed(runners[name])  # warm-up: the first forward at a shape pays for it
-        for r in range(rounds):
-            for name in (("float32", "candidate") if r % 2 == 0 else ("candidate", "float32")):
-                t = time.perf_counter()
-                embed(runners[name])
-                times[name].append(time.perf_counter() - t)
-        result["float32_ms"] = [round(t * 1e3, 2) for t in times["float32"]]
-        result["candidate_ms"] = [round(t * 1e3, 2) for t in times["candidate"]]
-        result["speedup"] = float(min(times["float32"]) / min(times["candidate"]))
+        times = _interleaved(runners, embed, rounds, warm=set(runners) - {"float32"})
+        result["float32_ms"] = times["float32"]
+        if candidate is not None:
+            result["candidate_ms"] = times["candidate"]
+            result["speedup"] = min(times["float32"]) / min(times["candidate"])
+        for name in others or {}:
+            result["others"][name].update(ms=times[name], speedup=min(times["float32"]) / min(times[name]))
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
+
+
+def _interleaved(runners: dict, embed, rounds: int, warm: set = frozenset()) -> dict[str, list[float]]:
+    """Milliseconds per call of `embed(runner)` for each runner: one warm-up each not in `warm`
+    (the first forward at a shape pays for it; the fidelity check has run the others), then
+    `rounds` rounds whose order rotates (A B C, B C A, ...) so each shares the machine's good
+    and bad spells; the fastest counts (noise only adds)."""
+    order = list(runners)
+    for name in order:
+        if name not in warm:
+            embed(runners[name])
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for r in range(rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            t = time.perf_counter()
+            embed(runners[name])
+            times[name].append(round((time.perf_counter() - t) * 1e3, 2))
+    return times
 
 
 def decide_dtype(requested: str, native: tuple[bool, str] | None, probe: dict | None, error: str | None = None) -> dict:
@@ -264,3 +295,48 @@ def decide_dtype(requested: str, native: tuple[bool, str] | None, probe: dict | 
     else:
         choice["mode"], choice["min_cosine"] = "cast", None
     return choice
+
+
+class BackendError(RuntimeError):
+    """`model.backend: onnxruntime` was asked for and cannot be served here."""
+
+
+def decide_backend(requested: str, choice: dict, probe: dict | None, error: str | None = None) -> dict:
+    """`model.backend`'s choice on top of decide_dtype's `choice` (pure): torch as decided, or
+    ONNX Runtime (fp32).
+
+    auto takes ONNX Runtime only when model.dtype is auto too (a named dtype names a torch
+    precision), every probe input kept MIN_COSINE, and its probe batch ran at least MIN_SPEEDUP
+    faster than the torch choice's. `onnxruntime` is taken as asked; if it could not be exported
+    or run (`error`), BackendError. What was measured of it is under `onnxruntime_*`."""
+    choice = dict(choice)
+    measured = (probe or {}).get("others", {}).get("onnxruntime")
+    for key in ("min_cosine", "speedup", "ms"):
+        if measured and key in measured:
+            choice[f"onnxruntime_{key}"] = measured[key]
+    if error is not None:
+        choice["onnxruntime_error"] = error
+    if requested == "onnxruntime":
+        if error is not None or measured is None:
+            raise BackendError(f"model.backend: onnxruntime cannot be served: {error or 'it was not probed'}")
+        return _onnx_choice(choice, measured["min_cosine"], "forced by model.backend: onnxruntime")
+    choice["backend"] = "torch"
+    if requested == "torch" or choice["requested"] != "auto" or (measured is None and error is None):
+        return choice
+    torch_speedup = choice.get("bf16_speedup", 1.0) if choice["dtype"] == "bfloat16" else 1.0
+    if error is not None:
+        choice["reason"] += f"; onnxruntime not used ({error})"
+    elif measured["min_cosine"] < MIN_COSINE:
+        choice["reason"] += f"; onnxruntime cosine {measured['min_cosine']:.6f} < {MIN_COSINE}"
+    elif "speedup" not in measured or measured["speedup"] / torch_speedup < MIN_SPEEDUP:
+        choice["reason"] += f"; onnxruntime {measured.get('speedup', 0.0) / torch_speedup:.2f}x the torch choice (< {MIN_SPEEDUP}x)"
+    else:
+        ratio = measured["speedup"] / torch_speedup
+        return _onnx_choice(choice, measured["min_cosine"],
+                            f"onnxruntime fp32, cosine {measured['min_cosine']:.6f} >= {MIN_COSINE}, {ratio:.2f}x torch {choice['dtype']}")
+    return choice
+
+
+def _onnx_choice(choice: dict, min_cosine: float, reason: str) -> dict:
+    return {**choice, "backend": "onnxruntime", "dtype": "float32", "mode": "onnxruntime-fp32", "min_cosine": min_cosine,
+            "reason": reason, "precision": "ONNX Runtime CPU execution provider, fp32; pooling fp32"}

@@ -87,7 +87,8 @@ class Engine:
 
     def _start_zygote(self, timeout: float) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        args = [str(theirs.fileno()), self.source.path, self.config.task, self.config.device, self.config.dtype]
+        c = self.config
+        args = [str(theirs.fileno()), self.source.path, c.task, c.device, c.dtype, c.backend, c.cache_dir]
         # One BLAS/OpenMP thread in the zygote: it never computes, and its pools must not
         # outlive the fork; each worker sets its own thread count.
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}

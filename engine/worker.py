@@ -58,10 +58,14 @@ def apply_knobs(msg: m.SetKnobs) -> None:
 class EmbedWorker:
     def __init__(self, spec: m.WorkerSpec, conn: Connection, model):
         from engine.embedding import EmbeddingRunner
+        from engine.onnx_embedding import OnnxEmbeddingRunner, OnnxGraph
 
         self.spec = spec
         self.conn = conn
-        self.runner = EmbeddingRunner(model, spec.device, spec.pack_row_tokens, spec.vocab_size)
+        if isinstance(model, OnnxGraph):  # the zygote serves ONNX Runtime: this worker opens its own session
+            self.runner = OnnxEmbeddingRunner(model.path, spec.threads)
+        else:
+            self.runner = EmbeddingRunner(model, spec.device, spec.pack_row_tokens, spec.vocab_size)
         self.shm = SlotBuffer.create(spec.slots, spec.slot_items, spec.max_length, spec.hidden_size)
 
     def serve(self) -> int:
@@ -80,6 +84,7 @@ class EmbedWorker:
                 self.conn.send(self.run(msg))
             elif isinstance(msg, m.SetKnobs):
                 apply_knobs(msg)
+                self.runner.set_threads(msg.threads)
             elif isinstance(msg, m.Stop):
                 return 0
             else:

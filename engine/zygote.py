@@ -6,13 +6,16 @@ zygote is started with exec (not forked from the front process, whose threads wo
 fork unsafe), stays single-threaded, and never runs a torch op: OpenMP thread pools do not
 survive fork, so each worker starts its own after it is forked.
 
-An embedding model with `dtype: auto` (or bfloat16) is probed once after loading, in a child
-forked for the purpose (so the zygote itself still runs no forward and never initialises CUDA):
-bf16's fidelity against fp32 on a fixed probe set and, for auto, both dtypes' speed.
-engine.embedding.decide_dtype picks; the choice travels to the front in `ZygoteLoaded` and is
-logged here.
+An embedding model with `dtype: auto` (or bfloat16, or `backend` auto/onnxruntime) is probed
+once after loading, in a child forked for the purpose (so the zygote itself still runs no
+forward and never initialises CUDA): bf16's and ONNX Runtime's fidelity against fp32 on a fixed
+probe set (the ONNX export made there once and cached) and, for auto, their speed.
+engine.embedding.decide_dtype and decide_backend pick; the choice travels to the front in
+`ZygoteLoaded` and is logged here. Serving ONNX Runtime, the zygote hands its workers the graph's
+path (engine.onnx_embedding.OnnxGraph) instead of the torch model.
 
-Run as `python -m engine.zygote FD MODEL_PATH TASK DEVICE DTYPE`; FD is its socket to the front.
+Run as `python -m engine.zygote FD MODEL_PATH TASK DEVICE DTYPE BACKEND CACHE_DIR`; FD is its
+socket to the front.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 
 from engine import messages as m
+from engine.config import default_cache_dir
 from engine.heap import freeze_startup_heap
 
 log = logging.getLogger("selftune.zygote")
@@ -40,7 +44,7 @@ PROBE_TIMEOUT = 120.0
 
 
 def main(argv: list[str]) -> int:
-    fd, model_path, task, device, dtype = int(argv[0]), argv[1], argv[2], argv[3], argv[4]
+    fd, model_path, task, device, dtype, backend, cache_dir = int(argv[0]), *argv[1:7]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     # Ctrl-C and SIGTERM often reach the whole process group (a terminal, `timeout`, systemd):
     # shutting down is the front process's job; the zygote and workers follow it.
@@ -49,7 +53,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps exited workers
     conn = Connection(fd)
     try:
-        model, device, choice = load_for_serving(model_path, task, device, dtype)
+        model, device, choice = load_for_serving(model_path, task, device, dtype, backend, cache_dir)
     except Exception:
         conn.send(m.ZygoteFailed(traceback.format_exc()))
         return 1
@@ -68,9 +72,10 @@ def main(argv: list[str]) -> int:
             log.error("zygote: refusing an unknown message %s", type(msg).__name__)
 
 
-def load_for_serving(model_path: str, task: str, device: str, dtype: str):
+def load_for_serving(model_path: str, task: str, device: str, dtype: str, backend: str = "auto", cache_dir: str | None = None):
     """(model, device, dtype choice) as every worker gets them: also what the bench's limit and
-    the profiler call, in a process of their own, so they measure the backend the server serves."""
+    the profiler call, in a process of their own, so they measure the backend the server serves.
+    `model` is an engine.onnx_embedding.OnnxGraph when the choice is ONNX Runtime."""
     import torch
 
     from engine.loading import load_model, resolve_device, resolve_dtype
@@ -80,22 +85,23 @@ def load_for_serving(model_path: str, task: str, device: str, dtype: str):
     torch.set_num_threads(1)
     _no_background_threads()
     device = resolve_device(device)
-    if task == "embed" and dtype in ("auto", "bfloat16"):
-        model, choice = _load_embedding(model_path, device, dtype)
+    if task == "embed" and (dtype in ("auto", "bfloat16") or backend != "torch"):
+        model, choice = _load_embedding(model_path, device, dtype, backend, cache_dir or default_cache_dir())
     else:
         torch_dtype = resolve_dtype(dtype, device)
         model = load_model(model_path, task, torch_dtype)
         name = str(torch_dtype).removeprefix("torch.")
         reason = f"forced by model.dtype: {dtype}" if dtype != "auto" else f"auto for {task} on {device}: not probed"
         choice = {"requested": dtype, "dtype": name, "mode": "fp32" if name == "float32" else "cast", "reason": reason,
-                  "min_cosine": 1.0 if name == "float32" else None}
+                  "min_cosine": 1.0 if name == "float32" else None, "backend": "torch"}
     _wait_for_loader_threads()
     if threading.active_count() > 1:  # idle native pools (torch, OpenBLAS) are fork-safe; Python threads are not
         names = [t.name for t in threading.enumerate()]
         log.warning("zygote has Python threads %s after loading; forking may be unsafe", names)
     cosine = choice.get("min_cosine")
-    log.info("model dtype %s (model.dtype: %s; %s): %s; worst cosine to fp32 on the probe set %s",
-             choice["dtype"], dtype, choice["mode"], choice["reason"], "n/a" if cosine is None else f"{cosine:.6f}")
+    log.info("model backend %s, dtype %s (model.backend: %s, model.dtype: %s; %s): %s; worst cosine to fp32 on the probe set %s",
+             choice["backend"], choice["dtype"], backend, dtype, choice["mode"], choice["reason"],
+             "n/a" if cosine is None else f"{cosine:.6f}")
     return model, device, choice
 
 
@@ -107,30 +113,39 @@ def _wait_for_loader_threads(timeout: float = 2.0) -> None:
         time.sleep(0.01)
 
 
-def _load_embedding(model_path: str, device: str, dtype: str):
-    """fp32 weights; bf16's fidelity (and, for auto, speed) measured in a probe child; then the
-    Linear weights converted here if bf16 it is (once, shared by every worker)."""
+def _load_embedding(model_path: str, device: str, dtype: str, backend: str, cache_dir: str):
+    """fp32 weights; bf16's and ONNX Runtime's fidelity (and, for auto, speed) measured in a probe
+    child; then the Linear weights converted here if bf16 it is (once, shared by every worker),
+    or the torch model dropped for the ONNX graph's path if ONNX Runtime it is."""
     import torch
 
-    from engine.embedding import decide_dtype
+    from engine.embedding import decide_backend, decide_dtype
     from engine.loading import load_model, native_bf16, to_mixed_precision
+    from engine.onnx_embedding import OnnxGraph, export_path
 
     model = load_model(model_path, "embed", torch.float32)
     _wait_for_loader_threads()
     native = None if device.startswith("cuda") else native_bf16(device)  # CUDA's check initialises CUDA: the child asks
-    probe = error = None
-    if dtype == "bfloat16" or native is None or native[0]:
-        result = _probe_in_child(model_path, model, device, timing=dtype == "auto")
-        error, probe = result.get("error"), result.get("probe")
+    bf16 = dtype == "bfloat16" or (dtype == "auto" and backend != "onnxruntime" and (native is None or native[0]))
+    onnx = backend == "onnxruntime" or (backend == "auto" and dtype == "auto")
+    onnx_path = export_path(model_path, cache_dir) if onnx else None
+    probe = error = onnx_error = None
+    if bf16 or onnx:
+        result = _probe_in_child(model_path, model, device, timing=dtype == "auto" and backend != "onnxruntime", bf16=bf16, onnx_path=onnx_path)
+        error, probe, onnx_error = result.get("error"), result.get("probe"), result.get("onnx_error")
         if "native" in result:
             native = tuple(result["native"])
-    choice = decide_dtype(dtype, native, probe, error)
+    bf16_probe = probe if probe and "candidate" in probe else None
+    choice = decide_backend(backend, decide_dtype(dtype, native, bf16_probe, error), probe, onnx_error or (error if onnx else None))
+    if choice["backend"] == "onnxruntime":
+        choice["onnx_path"] = onnx_path
+        return OnnxGraph(onnx_path, int(model.config.hidden_size)), choice
     if choice["dtype"] == "bfloat16":
         to_mixed_precision(model, torch.bfloat16)
     return model, choice
 
 
-def _probe_in_child(model_path: str, model, device: str, timing: bool) -> dict:
+def _probe_in_child(model_path: str, model, device: str, timing: bool, bf16: bool = True, onnx_path: str | None = None) -> dict:
     """engine.embedding.probe_dtype in a forked child; its answer as a dict ({"error": ...} if it
     failed or timed out). The child runs the forwards, so the zygote stays a process that never
     ran one (OpenMP pools, CUDA contexts) and every worker it forks starts clean."""
@@ -141,7 +156,7 @@ def _probe_in_child(model_path: str, model, device: str, timing: bool) -> dict:
         os.close(read_end)
         try:
             try:
-                answer = _probe(model_path, model, device, timing)
+                answer = _probe(model_path, model, device, timing, bf16, onnx_path)
             except BaseException as exc:  # whatever the probe raises, auto falls back to fp32
                 answer = {"error": f"{type(exc).__name__}: {exc}"}
             data = json.dumps(answer).encode()
@@ -179,8 +194,9 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _probe(model_path: str, model, device: str, timing: bool) -> dict:
-    """In the probe child: the native check (CUDA), then the probe on the fixed probe set."""
+def _probe(model_path: str, model, device: str, timing: bool, bf16: bool, onnx_path: str | None) -> dict:
+    """In the probe child: the native check (CUDA), the ONNX export (once: cached) and an ORT
+    runner for it, then the probe on the fixed probe set."""
     import torch
 
     from engine.embedding import PROBE_TEXTS, probe_dtype
@@ -190,14 +206,37 @@ def _probe(model_path: str, model, device: str, timing: bool) -> dict:
     die_with_parent()
     torch.set_num_threads(1)  # as a worker with threads_per_process 1 runs
     answer: dict = {}
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and bf16:
         answer["native"] = native_bf16(device)
-        if not answer["native"][0]:
-            return answer
+        bf16 = answer["native"][0]
+    others = {}
+    if onnx_path is not None:
+        try:
+            others["onnxruntime"] = _onnx_runner(model, device, onnx_path)
+        except Exception as exc:  # a model ORT cannot take: torch serves (auto) or start-up fails (forced)
+            answer["onnx_error"] = f"{type(exc).__name__}: {exc}"
+    if not bf16 and not others:
+        return answer
     ids = token_ids(load_tokenizer(model_path), list(PROBE_TEXTS))
     vocab = int(getattr(model.config, "vocab_size", 0) or 1000)
-    answer["probe"] = probe_dtype(model, device, torch.bfloat16, ids, timing=timing, vocab_size=vocab)
+    answer["probe"] = probe_dtype(model, device, torch.bfloat16 if bf16 else None, ids, timing=timing, vocab_size=vocab, others=others)
     return answer
+
+
+def _onnx_runner(model, device: str, onnx_path: str):
+    from engine.onnx_embedding import OnnxEmbeddingRunner, available, export
+
+    if device != "cpu":
+        raise RuntimeError(f"selftune runs ONNX Runtime on CPU only, and the device is {device}")
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(why)
+    started = time.perf_counter()
+    fresh = not os.path.exists(onnx_path)
+    export(model, onnx_path)
+    if fresh:
+        log.info("exported the model to ONNX at %s in %.1f s", onnx_path, time.perf_counter() - started)
+    return OnnxEmbeddingRunner(onnx_path, threads=1)
 
 
 def _no_background_threads() -> None:

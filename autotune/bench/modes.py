@@ -4,9 +4,12 @@
     multithread   1 worker process × N threads, pre/post on a thread pool
     hybrid        processes × threads (N/2 × 2, at least 2 × 2) with the pool
     autotuned     the default policy, starting from the seed defaults (4 × 2, 0.1 s, batch 32)
+    default       `selftune serve` with no options: the shipped config, N × 1, the default policy on
     oracle        the best static configuration a sweep found (filled in by the runner)
     static:KNOBS  any fixed knobs, e.g. static:process_count=2,max_batch_size=32
     autotuned:KNOBS  the policy starting from these knobs instead of the seed defaults
+    MODE@SERVED   any of these serving SERVED instead of what model.dtype/backend auto choose:
+                  float32, bfloat16 (torch), torch (auto dtype, torch only) or onnxruntime
 
 N is the number of usable cores. The fixed modes keep the shipped batching knobs
 (configs/default.yaml: batch 16, timeout 5 ms): what a user gets without tuning.
@@ -27,6 +30,9 @@ SHIPPED = Knobs()
 
 STANDARD_MODES = ("multiprocess", "multithread", "hybrid", "autotuned", "oracle")
 
+SERVED = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "torch": (None, "torch"), "onnxruntime": (None, "onnxruntime")}
+"""`MODE@SERVED`: (model.dtype, model.backend) for each; a named dtype serves torch (engine.embedding.decide_backend)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Mode:
@@ -37,11 +43,14 @@ class Mode:
     description: str = ""
     dtype: str | None = None
     """model.dtype for its server; None leaves the config's default (auto)."""
+    backend: str | None = None
+    """model.backend for its server; None leaves the config's default (auto)."""
 
     def server_config(self, model: str, policy: str | None = None, task: str = "embed") -> dict:
         """The `selftune serve` config for this mode (`task` generate: max_batch_size is running sequences per worker)."""
+        served = {key: value for key, value in (("dtype", self.dtype), ("backend", self.backend)) if value}
         config = {
-            "model": {"name": model, "task": task, **({"dtype": self.dtype} if self.dtype else {})},
+            "model": {"name": model, "task": task, **served},
             "concurrency": dataclasses.asdict(self.knobs),
             "server": {"log_level": "warning"},
             "autotune": {"enabled": self.autotune, "allow_oversubscription": self.allow_oversubscription},
@@ -68,6 +77,15 @@ def parse_knobs(text: str, base: Knobs = Knobs()) -> Knobs:
 def mode(name: str, cores: int) -> Mode:
     """The Mode called `name` on a machine with `cores` usable cores (not `oracle`: see the runner)."""
     n = max(1, cores)
+    base, at, served = name.partition("@")
+    if at:
+        if served not in SERVED:
+            raise ValueError(f"mode {name!r}: after @ one of {', '.join(SERVED)}")
+        dtype, backend = SERVED[served]
+        inner = mode(base, cores)
+        return dataclasses.replace(inner, name=name, dtype=dtype, backend=backend, description=f"{inner.description}, {served}")
+    if name == "default":
+        return Mode(name, SHIPPED.replace(process_count=n), autotune=True, description=f"the shipped config ({n} × 1), default policy")
     if name == "multiprocess":
         return Mode(name, SHIPPED.replace(process_count=n, threads_per_process=1, io_threads=0), description=f"{n} × 1, inline pre/post")
     if name == "multithread":
@@ -87,7 +105,7 @@ def mode(name: str, cores: int) -> Mode:
     if kind == "autotuned" and knobs:
         k = parse_knobs(knobs, SEED_DEFAULTS)
         return Mode(name, k, autotune=True, description="default policy from " + describe(k))
-    raise ValueError(f"unknown mode {name!r}; one of {', '.join(STANDARD_MODES)}, static:KNOBS, autotuned:KNOBS")
+    raise ValueError(f"unknown mode {name!r}; one of {', '.join(STANDARD_MODES)}, default, static:KNOBS, autotuned:KNOBS, MODE@SERVED")
 
 
 def describe(k: Knobs) -> str:

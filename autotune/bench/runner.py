@@ -28,6 +28,7 @@ from autotune.bench.modes import Mode, describe
 from autotune.bench.server import ServerProcess
 from autotune.bench.loadgen import Result
 from engine.config import Knobs
+from engine.onnx_embedding import served_name
 
 ADMIN_TOKEN = "selftune-bench-admin"
 MODEL_NAME = "all-MiniLM-L6-v2"
@@ -215,7 +216,8 @@ def run_mode(
             result.workload = replay(log, workload, slo, mode.name, say, writer)
         result.memory_mib = server.memory_bytes() / 2**20
         stats = httpx.get(server.url + "/stats", timeout=10).json()
-        result.final_knobs, result.dtype = stats["knobs"], (stats.get("model") or {}).get("dtype") or ""
+        model = stats.get("model") or {}
+        result.final_knobs, result.dtype = stats["knobs"], served_name(model.get("dtype_choice") or {}) or model.get("dtype") or ""
         result.timeline = log.rows
     finally:
         log.close()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autotune.bench.limit import served_choice
+from engine.onnx_embedding import served_name
 from autotune.offline.costmodel import FittedCostModel, Point, fit_cost_model, predict
 
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog while the server tunes itself. "
@@ -88,7 +89,7 @@ def token_ids(tokenizer, batch_size: int, length: int) -> np.ndarray:
 def time_batches(runner, tokenizer, batch_size: int, length: int, seconds: float, until: float | None = None) -> list[float]:
     """Seconds per batch, timed back to back for `seconds` (or until the clock reaches `until`)."""
     ids = token_ids(tokenizer, batch_size, length)
-    out = np.zeros((batch_size, runner.model.config.hidden_size), np.float32)
+    out = np.zeros((batch_size, runner.hidden_size), np.float32)
     lengths = (length,) * batch_size
     stop = until if until is not None else time.perf_counter() + seconds
     times: list[float] = []
@@ -99,26 +100,23 @@ def time_batches(runner, tokenizer, batch_size: int, length: int, seconds: float
     return times
 
 
-def load_runner(model_path: str, dtype: str):
-    """The runner on the model as the server loads it in `dtype` (float32, or bfloat16: mixed)."""
-    import torch
+def load_runner(model_path: str, served: str):
+    """The runner for what the server serves (float32, bfloat16: mixed, or onnxruntime), loaded as it loads it."""
+    from engine.embedding import load_served_runner
+    from engine.loading import load_tokenizer
 
-    from engine.embedding import EmbeddingRunner
-    from engine.loading import load_model, load_tokenizer, resolve_dtype
-
-    model = load_model(model_path, "embed", resolve_dtype(dtype, "cpu"))
-    return EmbeddingRunner(model, "cpu"), load_tokenizer(model_path), torch
+    return load_served_runner(model_path, served, pack_row_tokens=0), load_tokenizer(model_path)
 
 
 def measure_in_process(model_path: str, dtype: str, grid: Grid, progress) -> list[Point]:
-    runner, tokenizer, torch = load_runner(model_path, dtype)
+    runner, tokenizer = load_runner(model_path, dtype)
     best: dict[tuple, float] = {}
     shapes = list(itertools.product(grid.threads, grid.batch_sizes, grid.lengths))
     rng = np.random.default_rng(0)
     for _ in range(grid.passes):  # each pass in a new order, so a busy spell hits different points
         for index in rng.permutation(len(shapes)):
             threads, batch_size, length = shapes[index]
-            torch.set_num_threads(threads)
+            runner.set_threads(threads)
             time_batches(runner, tokenizer, batch_size, length, 0.0)  # warm-up: first call allocates
             seconds = typical(time_batches(runner, tokenizer, batch_size, length, grid.seconds_per_point))
             key = (threads, batch_size, length)
@@ -129,9 +127,9 @@ def measure_in_process(model_path: str, dtype: str, grid: Grid, progress) -> lis
 
 def _multi_worker(model_path: str, dtype: str, shapes: list, seconds: float, barrier, results) -> None:
     """One spawned measuring process: each shape starts on the barrier, runs for `seconds`."""
-    runner, tokenizer, torch = load_runner(model_path, dtype)
+    runner, tokenizer = load_runner(model_path, dtype)
     for threads, batch_size, length in shapes:
-        torch.set_num_threads(threads)
+        runner.set_threads(threads)
         time_batches(runner, tokenizer, batch_size, length, 0.0)
         barrier.wait()
         times = time_batches(runner, tokenizer, batch_size, length, seconds, until=time.perf_counter() + seconds)
@@ -176,16 +174,16 @@ def profile(model_spec: str = "builtin:minilm", dtype: str = "auto", grid: Grid 
     source = resolve_model(model_spec, cache_dir=os.path.expanduser("~/.cache/selftune"))
     choice = served_choice(source.path, dtype)
     requested, dtype = dtype, choice["dtype"]
-    backend = {"name": "torch", "dtype": dtype, "mode": choice.get("mode"), "requested": requested, "reason": choice.get("reason"),
+    backend = {"name": choice.get("backend", "torch"), "dtype": dtype, "mode": choice.get("mode"), "requested": requested, "reason": choice.get("reason"),
                "min_cosine": choice.get("min_cosine")}
     machine = machine_description(source.name, dtype)
     multi = [p for p in grid.processes if p > 1]
     total = grid.passes * len(grid.threads) * len(grid.batch_sizes) * len(grid.lengths) + len(multi) * len(grid.threads) * len(grid.multi_shapes)
     started = time.perf_counter()
     with tqdm(total=total, desc="profiling", unit="point", file=sys.stderr) as progress:
-        points = measure_in_process(source.path, dtype, grid, progress)
+        points = measure_in_process(source.path, served_name(choice), grid, progress)
         for processes in multi:
-            points += measure_processes(source.path, dtype, grid, processes, progress)
+            points += measure_processes(source.path, served_name(choice), grid, processes, progress)
     machine["profile_seconds"] = round(time.perf_counter() - started, 1)
     machine["load_average_at_end"] = os.getloadavg()[0]
     return dataclasses.replace(fit_cost_model(points, machine["cores"], machine, seed=seed), backend=backend)
