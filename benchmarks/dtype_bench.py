@@ -1,5 +1,6 @@
-"""Embedding dtypes in-process: fp32, bf16 mixed (what `model.dtype: bfloat16`/`auto` serve) and
-bf16 cast whole (what bfloat16 was before), through the worker's own EmbeddingRunner.
+"""Embedding dtypes and backends in-process: fp32, bf16 mixed (what `model.dtype: bfloat16`/`auto`
+serve), bf16 cast whole (what bfloat16 was before), through the worker's own EmbeddingRunner, and
+ONNX Runtime fp32 (`model.backend: onnxruntime`, padded only) through its OnnxEmbeddingRunner.
 
 Sentences/s at each batch size, packed (the server's default, 128-token rows) and padded, the
 variants interleaved round by round (the machine's speed drifts: compare within a round); the
@@ -7,7 +8,7 @@ worst cosine of each variant to fp32 (each text alone) over the bench's sentence
 short inputs; optionally a torch.profiler table of one batch per variant.
 
     python benchmarks/dtype_bench.py [--batches 1,4,16,64] [--rounds 2] [--seconds 1]
-                                     [--threads 1] [--profile 16] [--json]
+                                     [--threads 1] [--profile 16] [--no-onnx] [--json]
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def load(threads: int):
         "bf16 cast": copy.deepcopy(fp32).to(torch.bfloat16),
     }
     return load_tokenizer(path), variants
+
+
+def onnx_runner(fp32, threads: int):
+    """ONNX Runtime on the model's export, made (or found) where the server keeps it."""
+    from engine.config import default_cache_dir
+    from engine.model_source import resolve_model
+    from engine.onnx_embedding import OnnxEmbeddingRunner, export, export_path
+
+    path = export_path(resolve_model("builtin:minilm", "/nonexistent").path, default_cache_dir())
+    return OnnxEmbeddingRunner(export(fp32, path), threads)
 
 
 def cpu_model() -> str:
@@ -76,9 +87,11 @@ def embed_all(runner, ids, batch: int) -> np.ndarray:
     return out
 
 
-def fidelity(variants, runners_for, ids) -> dict:
+def fidelity(variants, runners_for, ids, others=None) -> dict:
+    """Worst cosine to fp32 (each text alone): each variant packed and padded in batches of 16,
+    each of `others` (name -> runner) as it runs."""
     reference = embed_all(runners_for(variants["fp32"], 0), ids, 1)
-    result = {}
+    result = {name: {"min_cosine": float((embed_all(runner, ids, 16) * reference).sum(axis=1).min())} for name, runner in (others or {}).items()}
     for name, model in variants.items():
         worst = 1.0
         for pack, batch in ((128, 16), (0, 16)):
@@ -113,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a worker's threads_per_process)")
     ap.add_argument("--words", default="8-48", help="MIN-MAX words per sentence, as the bench's ladder")
     ap.add_argument("--profile", type=int, default=0, metavar="BATCH", help="also profile one packed batch of this size per variant")
+    ap.add_argument("--no-onnx", action="store_true", help="leave ONNX Runtime out (it needs the `onnx` extra)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
     args = ap.parse_args(argv)
 
@@ -131,6 +145,8 @@ def main(argv=None) -> int:
         return EmbeddingRunner(model, "cpu", pack, 30522)
 
     runners = {(name, pack): runner_for(model, pack) for name, model in variants.items() for pack in (128, 0)}
+    others = {} if args.no_onnx else {"onnxruntime": onnx_runner(variants["fp32"], args.threads)}
+    runners.update({(name, 0): runner for name, runner in others.items()})
     batches = [int(b) for b in args.batches.split(",")]
     table: dict[str, dict[str, list[float]]] = {}
     for batch in batches:
@@ -147,8 +163,8 @@ def main(argv=None) -> int:
         "machine": {"cpu": cpu_model(), "bf16_flags": sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"}),
                     "torch": torch.__version__, "threads": args.threads},
         "sentences_per_second": table,
-        "fidelity_bench_sentences": fidelity(variants, runner_for, ids[:128]),
-        "fidelity_short_inputs": fidelity(variants, runner_for, short),
+        "fidelity_bench_sentences": fidelity(variants, runner_for, ids[:128], others),
+        "fidelity_short_inputs": fidelity(variants, runner_for, short, others),
     }
     if args.profile:
         result["profile"] = {name: profile(runners[(name, 128)], ids, args.profile) for name in variants}
@@ -158,7 +174,7 @@ def main(argv=None) -> int:
     for name, cells in table.items():
         print(f"| {name} | " + " | ".join("/".join(f"{v:.0f}" for v in cells[str(b)]) for b in batches) + " |")
     print("\nsentences/s, one value per interleaved round")
-    for name in variants:
+    for name in [*variants, *others]:
         print(f"{name}: worst cosine to fp32, bench sentences {result['fidelity_bench_sentences'][name]['min_cosine']:.6f}, "
               f"short inputs {result['fidelity_short_inputs'][name]['min_cosine']:.6f}")
     for name, rows in result.get("profile", {}).items():

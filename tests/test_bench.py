@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -90,6 +91,7 @@ def test_limit_at_a_batch_size_interpolates_the_best_layout():
     assert limit_at_batch({"2x1": {1: 100.0, 64: 300.0}}, 200) == pytest.approx(300.0)  # no extrapolation
 
 
+@pytest.mark.slow  # ~60 s: two full limit sweeps; the suite passed 15 min with it (opt in: -m slow)
 def test_measure_limit_measures_the_served_backend_and_fp32_and_the_winning_cells_again():
     from conftest import minilm_dir
 
@@ -311,3 +313,21 @@ def test_bench_cli_rejects_unknown_modes_and_workloads():
         assert bad_inputs.returncode == 2 and "--inputs-per-request: " in bad_inputs.stderr and why in bad_inputs.stderr
     bad_workload = run("--workload", "zigzag:rate=3")
     assert bad_workload.returncode == 2 and "workload kind 'zigzag'" in bad_workload.stderr
+
+
+def test_server_cpu_seconds_keep_what_an_exited_process_used():
+    """A worker the controller retires takes its CPU seconds with it; the server's total must not drop (a step read -0.35 cores)."""
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nsys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    server = ServerProcess.__new__(ServerProcess)  # its bookkeeping only, over a process of our own
+    server._cpu_seen = {}
+    tracked = psutil.Process(child.pid)
+    server.processes = lambda: [tracked] if child.poll() is None else []
+    deadline = time.monotonic() + 30
+    while server.cpu_seconds() < 0.3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before = server.cpu_seconds()
+    child.communicate(b"")
+    assert before >= 0.3 and server.cpu_seconds() == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -115,14 +116,20 @@ def test_simulate_refuses_a_cost_model_of_another_dtype_and_warns_for_auto():
         return subprocess.run([sys.executable, "-m", "autotune.cli", "simulate", "--workload", "poisson:rate=5,duration=5", *extra],
                               capture_output=True, text=True, timeout=120, env=env)
 
-    wrong = simulate("--dtype", "bfloat16")
+    fp32_model = ("--cost-model", "builtin:epyc-2core-minilm")
+    wrong = simulate("--dtype", "bfloat16", *fp32_model)
     assert wrong.returncode == 2
     assert "cost model builtin:epyc-2core-minilm was measured with dtype float32, but model.dtype is bfloat16" in wrong.stderr
-    right = simulate("--dtype", "float32")
+    right = simulate("--dtype", "float32", *fp32_model)
     assert right.returncode == 0 and "warning" not in right.stderr
-    auto = simulate()
+    auto = simulate(*fp32_model)
     assert auto.returncode == 0 and "warning: cost model builtin:epyc-2core-minilm was measured in float32, but model.dtype auto serves bfloat16" in auto.stderr
-    assert "warning" not in simulate(native="0").stderr  # without native bf16, auto serves fp32: the shipped model fits
+    # Without --cost-model, the shipped one for what the server would serve: no warning either way.
+    for extra, native, want in ((("--dtype", "float32"), "1", "epyc-2core-minilm"), ((), "1", "epyc-2core-minilm-bf16"),
+                                (("--dtype", "bfloat16"), "0", "epyc-2core-minilm-bf16"), ((), "0", "epyc-2core-minilm")):
+        done = simulate(*extra, "--json", native=native)
+        assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+        assert json.loads(done.stdout.splitlines()[-1])["cost_model"] == f"builtin:{want}"
 
 
 def test_a_profile_runs_and_records_the_dtype_the_server_would_serve():

@@ -76,6 +76,7 @@ def test_the_openai_client_works_through_ray_with_one_engine_per_replica(ray_ser
     (only,) = stats["replicas"]
     assert only["cores"] == 1 and only["policy"]  # one CPU of this machine, and its own controller
     assert only["knobs"]["process_count"] >= 1 and only["node"]
+    assert {"max_batch_tokens", "kv_tokens"} <= set(only["knobs"])  # every knob, the generation ones included
     metrics = httpx.get(f"{url}/cluster/metrics", timeout=30).text
     assert "selftune_cluster_replicas 1.0" in metrics
     assert f'selftune_cluster_replica_process_count{{node="{only["node"]}",replica="{only["replica"]}"}}' in metrics

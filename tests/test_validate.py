@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from autotune.offline.validate import compare, relative_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +29,7 @@ def test_compare_applies_the_tolerances():
     assert relative_error(1.0, 0.0) == math.inf and relative_error(math.nan, 1.0) == math.inf
 
 
+@pytest.mark.slow  # ~70 s: a live calibration, then live and simulated runs; the suite passed 15 min with it (opt in: -m slow)
 def test_validate_cli_calibrates_then_runs_live_and_simulated_side_by_side(tmp_path):
     cost_model = tmp_path / "costmodel.json"
     shutil.copy(os.path.join(ROOT, "configs", "costmodels", "epyc-2core-minilm.json"), cost_model)

@@ -69,6 +69,8 @@ def register(subparsers) -> None:
     g.add_argument("--max-prompt-tokens", type=int, help="prompt lengths clipped to this and to the model's context (default 256 quick / 512)")
     g.add_argument("--trace", default="tests/fixtures/traces/azure_llm_conv_2023_first120s.csv",
                    help="CSV with ContextTokens and GeneratedTokens columns: the prompt and output lengths drawn")
+    g.add_argument("--stop-at-eos", action="store_true", help="let outputs end at EOS instead of sending ignore_eos (for servers that "
+                   "refuse it, e.g. transformers serve; greedy, so every server makes the same outputs)")
     g.add_argument("--api", choices=("completions", "chat"), default="completions", help="POST /v1/completions (exact prompt lengths) or /v1/chat/completions")
     b.set_defaults(run=run_bench)
 
@@ -82,7 +84,10 @@ def run_bench(args) -> int:
     return run_embed_bench(args)
 
 
-def run_embed_bench(args) -> int:
+def start_bench(args, parse):
+    """What `selftune bench` starts with, for either task: (say, the start time, the usable cores,
+    `parse(args, cores)`, the output directory, the machine); None once it has said what is wrong
+    with the arguments."""
     started = time.monotonic()
 
     def say(msg: str) -> None:
@@ -90,18 +95,26 @@ def run_embed_bench(args) -> int:
 
     cores = len(os.sched_getaffinity(0))
     try:
-        names, modes, grid, words, workload = _parse(args, cores)
+        parsed = parse(args, cores)
     except ValueError as exc:
         print(f"selftune bench: {exc}", file=sys.stderr)
-        return 2
+        return None
     out = args.out or tempfile.mkdtemp(prefix="selftune-bench-")
     os.makedirs(out, exist_ok=True)
-
-    from autotune.bench.inputs import sentences
     from autotune.bench.machine import machine_info
 
     machine = machine_info()
     say(f"machine: {machine['cpu']}, {cores} usable cores, {machine['ram_gib']} GiB")
+    return say, started, cores, parsed, out, machine
+
+
+def run_embed_bench(args) -> int:
+    from autotune.bench.inputs import sentences
+
+    start = start_bench(args, _parse)
+    if start is None:
+        return 2
+    say, started, cores, (names, modes, grid, words, workload), out, machine = start
     texts = sentences(max(512, 16 * args.inputs_per_request), *words, seed=args.seed)  # at least 16 distinct requests
     limit = None if args.no_limit or args.url or workload is not None else measure_limit_row(args, texts, cores, say)
     plan = _capacity_plan(args, limit)
@@ -133,6 +146,12 @@ def run_embed_bench(args) -> int:
     }
     summary["verdicts"] = verdicts(results, limit) if workload is None else workload_verdicts(results)
     write_outputs(out, summary, table, results, logs, args.slo, workload is not None)
+    return finish_bench(args, summary, table, out, say)
+
+
+def finish_bench(args, summary: dict, table: str, out: str, say) -> int:
+    """What `selftune bench` ends with, for either task: the table and verdicts on stdout, where
+    the outputs went, and with --json the summary as the last line."""
     print(table)
     for line in summary["verdicts"]:
         print(line)
@@ -278,7 +297,6 @@ def measure_limit_row(args, texts: list[str], cores: int, say) -> dict:
 
 def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
     """The comparisons the table exists for, in words."""
-    by = {r.mode: r for r in results}
     lines = []
     best = max(results, key=lambda r: r.max_qps, default=None)
     if best is not None and limit:
@@ -298,17 +316,7 @@ def verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
                 f"at the batch size it ran at that rate ({batch:.1f} items per forward), the in-process limit is "
                 f"{at_batch:.0f}/s: {served / at_batch:.2f} × that"
             )
-    tuned = [r for r in results if r.mode.startswith("autotuned")]
-    if "oracle" in by:
-        for r in tuned:
-            lines.append(f"{r.mode} / oracle = {r.max_qps:.0f} / {by['oracle'].max_qps:.0f} = {r.max_qps / max(by['oracle'].max_qps, 1e-9):.2f}")
-    fixed = [r for r in results if r.mode in ("multiprocess", "multithread", "hybrid")]
-    for r in tuned:
-        ahead = [f.mode for f in fixed if r.max_qps > f.max_qps]
-        behind = [f"{f.mode} ({_gap(r, f, by.get('oracle'))})" for f in fixed if r.max_qps <= f.max_qps]
-        if fixed:
-            lines.append(f"{r.mode} ahead of: {', '.join(ahead) or 'none'}" + (f"; not ahead of: {', '.join(behind)}" if behind else ""))
-    return lines
+    return lines + report.tuned_verdicts(results, lambda qps: f"{qps:.0f}", _gap)
 
 
 def _backend(limit: dict) -> str:

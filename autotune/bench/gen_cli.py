@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 
@@ -32,23 +31,12 @@ DEFAULT_MODEL = "builtin:smollm2"
 
 
 def run_generate_bench(args) -> int:
-    started = time.monotonic()
+    from autotune.bench.cli import finish_bench, start_bench
 
-    def say(msg: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-    cores = len(os.sched_getaffinity(0))
-    try:
-        names, modes, grid, table = _parse(args, cores)
-    except ValueError as exc:
-        print(f"selftune bench: {exc}", file=sys.stderr)
+    start = start_bench(args, _parse)
+    if start is None:
         return 2
-    out = args.out or tempfile.mkdtemp(prefix="selftune-bench-")
-    os.makedirs(out, exist_ok=True)
-    from autotune.bench.machine import machine_info
-
-    machine = machine_info()
-    say(f"machine: {machine['cpu']}, {cores} usable cores, {machine['ram_gib']} GiB")
+    say, started, cores, (names, modes, grid, table), out, machine = start
     model = args.model or DEFAULT_MODEL
     path, context, builder = _model(model, say)
     requests, body = _requests(args, table, context, builder, model, say)
@@ -80,13 +68,7 @@ def run_generate_bench(args) -> int:
     }
     table_md = gen_report.generation_table(results, limit, plan.ttft_slo, plan.itl_slo)
     _write_outputs(out, summary, table_md, results, logs, plan)
-    print(table_md)
-    for line in summary["verdicts"]:
-        print(line)
-    say(f"done in {summary['seconds']:.0f} s; outputs in {out}")
-    if args.json:
-        print(json.dumps(summary, default=jsonable))
-    return 0
+    return finish_bench(args, summary, table_md, out, say)
 
 
 def _requests(args, table, context: int, builder, model: str, say) -> tuple[dict, object]:
@@ -95,7 +77,7 @@ def _requests(args, table, context: int, builder, model: str, say) -> tuple[dict
     max_prompt = max(1, min(args.max_prompt_tokens or (256 if args.quick else 512), context - max_out))
     pairs = gen_inputs.draw_lengths(table, 256, args.seed, max_prompt, max_out, min_prompt=builder.specials + 1)
     name = _served_name(args.url) if args.url else model
-    bodies = gen_inputs.bodies(builder, pairs, name, args.api, args.seed)
+    bodies = gen_inputs.bodies(builder, pairs, name, args.api, args.seed, ignore_eos=not args.stop_at_eos)
     prompts, outputs = np.array([p for p, _ in pairs]), np.array([o for _, o in pairs])
     say(f"requests: prompts {int(prompts.min())}-{int(prompts.max())} tokens (median {int(np.median(prompts))}), "
         f"outputs {int(outputs.min())}-{int(outputs.max())} (mean {outputs.mean():.1f}), from {args.trace}")

@@ -76,13 +76,14 @@ class PromptBuilder:
         return " ".join(words)
 
 
-def bodies(builder: PromptBuilder, pairs: list[tuple[int, int]], model: str, api: str, seed: int) -> list[bytes]:
-    """One streamed request per (prompt, output) pair: greedy, EOS ignored, so every output has its drawn length."""
+def bodies(builder: PromptBuilder, pairs: list[tuple[int, int]], model: str, api: str, seed: int, ignore_eos: bool = True) -> list[bytes]:
+    """One streamed request per (prompt, output) pair: greedy, EOS ignored, so every output has its
+    drawn length (`ignore_eos` False: the drawn length is a ceiling, the model may stop sooner)."""
     out = []
     for i, (prompt_tokens, output_tokens) in enumerate(pairs):
         text = builder.text(prompt_tokens, seed * 1_000_003 + i)
-        request = {"model": model, "max_tokens": output_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                   "stream_options": {"include_usage": True}}
+        request = {"model": model, "max_tokens": output_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                   **({"ignore_eos": True} if ignore_eos else {})}
         if api == "chat":
             request["messages"] = [{"role": "user", "content": text}]
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from autotune.bench.limit import limit_at_batch
+from autotune.bench.report import tuned_verdicts
 from autotune.bench.runner import ModeResult
 
 
@@ -57,17 +58,7 @@ def generation_verdicts(results: list[ModeResult], limit: dict | None) -> list[s
             at_batch = limit_at_batch(limit["table"], running)
             lines.append(f"at the batch it ran ({running:.1f} sequences running, all workers), the in-process decode limit is "
                          f"{at_batch:.1f} tok/s: {tokens / at_batch:.2f} × that")
-    by = {r.mode: r for r in results}
-    tuned = [r for r in results if r.mode.startswith("autotuned")]
-    if "oracle" in by:
-        for r in tuned:
-            lines.append(f"{r.mode} / oracle = {r.max_qps:.2f} / {by['oracle'].max_qps:.2f} req/s = {r.max_qps / max(by['oracle'].max_qps, 1e-9):.2f}")
-    fixed = [r for r in results if r.mode in ("multiprocess", "multithread", "hybrid")]
-    for r in tuned:
-        if fixed:
-            ahead = [f.mode for f in fixed if r.max_qps > f.max_qps]
-            behind = [f"{f.mode} ({r.max_qps:.2f} vs {f.max_qps:.2f} req/s)" for f in fixed if r.max_qps <= f.max_qps]
-            lines.append(f"{r.mode} ahead of: {', '.join(ahead) or 'none'}" + (f"; not ahead of: {', '.join(behind)}" if behind else ""))
+    lines += tuned_verdicts(results, lambda qps: f"{qps:.2f} req/s", lambda r, f, _oracle: f"{r.max_qps:.2f} vs {f.max_qps:.2f} req/s")
     return lines
 
 

@@ -83,7 +83,7 @@ def mode(name: str, cores: int) -> Mode:
             raise ValueError(f"mode {name!r}: after @ one of {', '.join(SERVED)}")
         dtype, backend = SERVED[served]
         inner = mode(base, cores)
-        return dataclasses.replace(inner, name=name, dtype=dtype, backend=backend, description=f"{inner.description}, {served}")
+        return dataclasses.replace(inner, name=name, dtype=dtype, backend=backend)  # the table names what its server served
     if name == "default":
         return Mode(name, SHIPPED.replace(process_count=n), autotune=True, description=f"the shipped config ({n} × 1), default policy")
     if name == "multiprocess":

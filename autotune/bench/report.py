@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
 from autotune.bench.runner import ModeResult, RunLog, knob_changes
+
+
+def tuned_verdicts(results: list[ModeResult], rate: Callable[[float], str], gap: Callable[[ModeResult, ModeResult, ModeResult | None], str]) -> list[str]:
+    """The autotuned modes against the oracle and against each fixed mode, in words (embeddings
+    and generation alike): `rate` writes a max QPS, `gap` a fixed mode the tuned one is not ahead of."""
+    by = {r.mode: r for r in results}
+    tuned = [r for r in results if r.mode.startswith("autotuned")]
+    lines = []
+    if "oracle" in by:
+        for r in tuned:
+            lines.append(f"{r.mode} / oracle = {rate(r.max_qps)} / {rate(by['oracle'].max_qps)} = {r.max_qps / max(by['oracle'].max_qps, 1e-9):.2f}")
+    fixed = [r for r in results if r.mode in ("multiprocess", "multithread", "hybrid")]
+    for r in tuned if fixed else ():
+        ahead = [f.mode for f in fixed if r.max_qps > f.max_qps]
+        behind = [f"{f.mode} ({gap(r, f, by.get('oracle'))})" for f in fixed if r.max_qps <= f.max_qps]
+        lines.append(f"{r.mode} ahead of: {', '.join(ahead) or 'none'}" + (f"; not ahead of: {', '.join(behind)}" if behind else ""))
+    return lines
 
 
 def _ms(seconds) -> str:

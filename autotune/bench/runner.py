@@ -148,7 +148,11 @@ def wait_idle(url: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/stats", timeout=5).json()["server"]["in_flight"] == 0:
+            response = httpx.get(url + "/stats", timeout=5)
+            if response.status_code == 404:  # not selftune (a peer under --url): it cannot say; give it a moment
+                time.sleep(2.0)
+                return
+            if response.json()["server"]["in_flight"] == 0:
                 return
         except (httpx.HTTPError, KeyError, ValueError):
             pass

@@ -31,6 +31,8 @@ class ServerProcess:
         path.write_text(yaml.safe_dump(config))
         self.log_path = tmp_path / f"server-{self.port}.log"
         self._log = open(self.log_path, "w")
+        self._cpu_seen: dict[tuple[int, float], float] = {}
+        """CPU seconds last seen per process (pid, start time): `cpu_seconds` keeps the exited ones."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "autotune.cli", "serve", "--config", str(path)],
             stdout=self._log,
@@ -59,8 +61,14 @@ class ServerProcess:
         return [front, *front.children(recursive=True)]
 
     def cpu_seconds(self) -> float:
-        """CPU time (user + system) of every process of the server so far."""
-        return cpu_seconds(self.processes())
+        """CPU time (user + system) of every process of the server so far, those that have exited
+        included: a worker the controller retired keeps the CPU it was last seen to have used (else
+        the total would drop when one goes, and a step's CPU read negative)."""
+        for p in self.processes():
+            used = cpu_seconds([p])
+            if used:
+                self._cpu_seen[(p.pid, p.create_time())] = used  # psutil keeps create_time from when it found the process
+        return sum(self._cpu_seen.values())
 
     def memory_bytes(self) -> int:
         """Proportional set size summed over the server's processes: shared pages counted once."""

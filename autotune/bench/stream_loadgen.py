@@ -83,6 +83,9 @@ class _Stream:
     done: float = math.nan
     error: str = ""
     cut: float = math.nan
+    finished: bool = False
+    """A chunk said finish_reason: a server that then closes the stream without `[DONE]` (transformers
+    serve does) has still ended it."""
 
     def result(self, started: float) -> StreamResult:
         tokens = int(self.usage.get("completion_tokens", len(self.times))) if not math.isnan(self.done) else len(self.times)
@@ -157,7 +160,10 @@ async def _stream(session: aiohttp.ClientSession, url: str, payload: bytes, s: _
                 _event(s, json.loads(data))
                 if s.error:
                     return
-            s.error = "stream ended without [DONE]"
+            if s.finished:
+                s.done = time.monotonic()
+            else:
+                s.error = "stream ended without [DONE]"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         s.error = s.error or f"{type(exc).__name__}: {exc}"
 
@@ -170,6 +176,7 @@ def _event(s: _Stream, event: dict) -> None:
     if event.get("usage"):
         s.usage = event["usage"]
     for choice in event.get("choices") or ():
+        s.finished = s.finished or bool(choice.get("finish_reason"))
         text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
         if text:
             s.times.append(time.monotonic())

@@ -9,6 +9,7 @@ registry what the cluster's /stats shows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -90,8 +91,7 @@ class SelftuneReplica:
             {
                 **self.identity,
                 "cores": self.usable_cores,
-                "knobs": {"process_count": k.process_count, "threads_per_process": k.threads_per_process,
-                          "io_threads": k.io_threads, "batch_timeout": k.batch_timeout, "max_batch_size": k.max_batch_size},
+                "knobs": dataclasses.asdict(k),  # every knob, the generation ones included
                 "policy": self.controller.policy.name if self.controller else None,
                 "observed": autoscaling_stats(observation, self.usable_cores, k),
                 "reported_at": time.time(),

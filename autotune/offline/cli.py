@@ -20,6 +20,8 @@ from autotune.bench.modes import parse_knobs
 from engine.config import INFLIGHT_BATCHES, Knobs
 
 DEFAULT_COST_MODEL = "builtin:epyc-2core-minilm"
+DEFAULT_COST_MODELS = {"float32": DEFAULT_COST_MODEL, "bfloat16": "builtin:epyc-2core-minilm-bf16"}
+"""The shipped embedding cost models (MiniLM on this 2-core EPYC), by the dtype they were measured in."""
 STATIC_POLICY = "builtin:static"
 CALIBRATED_COST_MODEL = "costmodel-calibrated.json"
 
@@ -43,7 +45,8 @@ def register(subparsers) -> None:
     s.add_argument("--task", default="embed", choices=["embed", "generate"],
                    help="generate: sequences with prompt and output lengths (a trace's ContextTokens/GeneratedTokens, or output=N)")
     s.add_argument("--policy", default=STATIC_POLICY, help="policy file or builtin:NAME (as `selftune serve --policy`)")
-    s.add_argument("--cost-model", default=None, help=f"cost model JSON or builtin:NAME (default: {DEFAULT_COST_MODEL}; generate: a generation cost model)")
+    s.add_argument("--cost-model", default=None, help="cost model JSON or builtin:NAME (default: the shipped one for --dtype, "
+                   f"{' or '.join(DEFAULT_COST_MODELS.values())}; generate: a generation cost model)")
     _dtype_argument(s)
     s.add_argument("--slo", type=float, default=0.5, help="latency objective in seconds")
     s.add_argument("--ttft", type=float, default=2.0, help="generate: time-to-first-token objective (seconds)")
@@ -68,7 +71,7 @@ def register(subparsers) -> None:
     v.add_argument("--seconds", type=float, default=40.0, help="length of each default workload")
     v.add_argument("--length", default="16-64", help="input tokens of the default workloads and the calibration (N or LOW-HIGH)")
     v.add_argument("--policy", help="a policy file or builtin:NAME, for both sides (default: static knobs)")
-    v.add_argument("--cost-model", default=DEFAULT_COST_MODEL, help="cost model JSON or builtin:NAME (default: %(default)s); "
+    v.add_argument("--cost-model", default=None, help="cost model JSON or builtin:NAME (default: the shipped one for --dtype); "
                    f"--calibrate writes into it, or into ./{CALIBRATED_COST_MODEL} for a builtin one")
     v.add_argument("--model", default="builtin:minilm")
     _dtype_argument(v)
@@ -85,6 +88,15 @@ def register(subparsers) -> None:
 def _dtype_argument(parser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="model.dtype of the server simulated (and, for validate, started): the cost model must have been measured with it")
+
+
+def default_cost_model(dtype: str) -> str:
+    """The shipped cost model for a server with model.dtype `dtype` here: bf16's where it serves
+    bf16 (auto: on a CPU with native bf16, where the start-up probe picks it), else fp32's."""
+    from engine.loading import native_bf16
+
+    served = "bfloat16" if dtype == "bfloat16" or (dtype == "auto" and native_bf16("cpu")[0]) else "float32"
+    return DEFAULT_COST_MODELS[served]
 
 
 def load_checked_cost_model(spec: str, dtype: str):
@@ -180,7 +192,7 @@ def run_simulate(args) -> int:
         from autotune.offline.gen_cli import run_gen_simulate
 
         return run_gen_simulate(args)
-    args.cost_model = args.cost_model or DEFAULT_COST_MODEL
+    args.cost_model = args.cost_model or default_cost_model(args.dtype)
 
     try:
         arrivals = load_workload(args.workload)
@@ -299,7 +311,8 @@ def _tune_problem(args, config: dict, spec: dict):
         return problem, knobs, search
     knobs = Knobs(**config.get("knobs", {}))
     try:  # the tune config's `dtype`: the model.dtype of the server being tuned for
-        cost_model = load_checked_cost_model(config.get("cost_model", DEFAULT_COST_MODEL), config.get("dtype", "auto"))
+        dtype = config.get("dtype", "auto")
+        cost_model = load_checked_cost_model(config.get("cost_model") or default_cost_model(dtype), dtype)
     except ValueError as exc:
         raise SystemExit(f"{args.config}: {exc}") from None
     problem = Problem(
@@ -334,6 +347,7 @@ def run_validate(args) -> int:
     from autotune.offline.validate import calibrate, plot, table, validate
     from autotune.bench.workloads import poisson
 
+    args.cost_model = args.cost_model or default_cost_model(args.dtype)
     try:
         cost_model = load_checked_cost_model(args.cost_model, args.dtype)
         policy = str(shipped.resolve(args.policy, shipped.POLICY)) if args.policy else None
