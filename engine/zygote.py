@@ -85,7 +85,7 @@ def load_for_serving(model_path: str, task: str, device: str, dtype: str, backen
     torch.set_num_threads(1)
     _no_background_threads()
     device = resolve_device(device)
-    if task == "embed" and (dtype in ("auto", "bfloat16") or backend != "torch"):
+    if task == "embed" and (dtype in ("auto", "bfloat16") or backend == "onnxruntime"):
         model, choice = _load_embedding(model_path, device, dtype, backend, cache_dir or default_cache_dir())
     else:
         torch_dtype = resolve_dtype(dtype, device)

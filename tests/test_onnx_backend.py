@@ -153,3 +153,16 @@ def test_forced_onnxruntime_serves_and_follows_a_live_thread_change(monkeypatch,
     for vectors in (first, second):
         assert (vectors * reference).sum(axis=1).min() >= MIN_COSINE  # against sentence-transformers fp32
         assert np.abs(vectors - reference).max() < 1e-4
+
+
+def test_a_named_torch_dtype_skips_the_probe_and_is_loaded_as_named():
+    """backend auto with dtype float16 (or float32) is torch at that dtype: no probe, no export."""
+    from engine.zygote import load_for_serving
+
+    threads = torch.get_num_threads()
+    try:
+        model, device, choice = load_for_serving(minilm_dir(), "embed", "cpu", "float16", "auto", "/nonexistent")
+    finally:
+        torch.set_num_threads(threads)
+    assert next(model.parameters()).dtype == torch.float16 and device == "cpu"
+    assert choice["backend"] == "torch" and choice["dtype"] == "float16" and choice["mode"] == "cast" and "forced" in choice["reason"]
