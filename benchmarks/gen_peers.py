@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import httpx
+
+from autotune.bench.server import stop_session
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -72,12 +73,7 @@ def measure(peer: str, out: str, quick: bool, port: int = 8041) -> dict:
                 raise RuntimeError(f"selftune bench failed for {peer}: {done.stderr[-2000:]}")
             summary = json.loads(done.stdout.strip().splitlines()[-1])
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_session(proc, timeout=30)
     (result,) = summary["modes"]
     at = result.get("at_max") or {}
     return {"peer": peer, "max_qps": result["max_qps"], "output_tokens_per_s": at.get("output_tokens_per_s"),

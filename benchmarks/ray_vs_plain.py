@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,11 +23,7 @@ from collections import Counter
 import httpx
 import psutil
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from autotune.bench.server import free_port, stop_session
 
 
 def start(path: str, port: int, log_path: str) -> subprocess.Popen:
@@ -53,15 +47,6 @@ def start(path: str, port: int, log_path: str) -> subprocess.Popen:
             pass
         time.sleep(1)
     raise RuntimeError(f"{path} server not ready in 300 s; see {log_path}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def group(proc: psutil.Process) -> str:
@@ -153,7 +138,7 @@ def main() -> int:
                 mode = report["modes"][0]
                 cpu = cpu_per_request(url, args.rate, 20.0)
             finally:
-                stop(proc)
+                stop_session(proc)
             row = {"path": path, "round": round_, "max_qps": mode["max_qps"], "p99_at_max_ms": 1000 * mode["at_max"]["p99"],
                    "items_per_forward": mode["at_max"].get("batch_items"), "cpu_ms_per_request": cpu}
             results.append(row)

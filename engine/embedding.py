@@ -200,14 +200,14 @@ def probe_dtype(model, device: str, candidate, ids: list[list[int]], rounds: int
     started = time.perf_counter()
     reference = model if device == "cpu" else copy.deepcopy(model).to(device)
     matrix, lengths = _batch(ids)
-    hidden = int(getattr(model.config, "hidden_size", 0)) or int(next(model.parameters()).shape[-1])
+    expected = EmbeddingRunner(reference, device, 0, vocab_size)
 
     def embed(runner) -> np.ndarray:
-        out = np.empty((len(lengths), hidden), dtype=np.float32)
+        out = np.empty((len(lengths), expected.hidden_size), dtype=np.float32)
         runner.run(matrix, lengths, out)
         return out
 
-    want = embed(EmbeddingRunner(reference, device, 0, vocab_size))
+    want = embed(expected)
     runners = {"float32": EmbeddingRunner(reference, device, pack_row_tokens, vocab_size)}
     result: dict = {"probe_inputs": len(lengths), "others": {}}
     if candidate is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,13 +17,9 @@ import httpx
 import pytest
 from helpers import wait_until
 
+from autotune.bench.server import free_port, stop_session
+
 MODEL = "all-MiniLM-L6-v2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["proxy", pytest.param("haproxy", marks=pytest.mark.slow)])
@@ -52,12 +47,7 @@ def ray_server(request, tmp_path_factory):
         assert proc.poll() is None, (tmp / "serve.log").read_text()[-3000:]
         yield url, audit
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_session(proc)
         log.close()
 
 

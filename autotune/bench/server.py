@@ -97,6 +97,23 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def stop_session(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 90.0) -> int:
+    """Stop a server started in a session of its own (`start_new_session=True`): `sig` to it, and
+    past `timeout` SIGKILL to its whole process group (its workers, Ray's processes, a peer's
+    children); its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return proc.returncode
+
+
 def cpu_seconds(procs: list[psutil.Process]) -> float:
     """CPU time (user + system) of these processes so far; one that is gone counts nothing."""
     total = 0.0
