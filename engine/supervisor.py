@@ -14,7 +14,7 @@ import os
 import selectors
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle
 from typing import TYPE_CHECKING, Callable
@@ -186,11 +186,21 @@ class WorkerSupervisor:
         return m.SetKnobs(k.threads_per_process, k.max_batch_size, cpus, k.max_batch_tokens, k.kv_tokens)
 
     def _sync_workers(self) -> None:
-        """Send each live worker its threads, batch size, generation knobs and CPUs when they changed."""
+        """Send each live worker its threads, batch size, generation knobs and CPUs when they changed.
+
+        A draining worker keeps what it has: it only finishes its work, on its own CPUs. While one
+        drains, the others take no more threads or CPUs than they had: those cores are still
+        busy, and OpenMP threads sharing a core spin at each other's barriers (a 2 × 1 -> 1 × 2
+        move that grew the kept worker at once stalled every stream for seconds). They grow when
+        the drain is over; fewer threads are applied at once."""
+        active = {slot.worker_id for slot in self.scheduler.router.active()}
+        draining = any(w not in active for w in self.workers)
         for handle in list(self.workers.values()):
-            if handle.conn is None or handle.stop_sent:
+            if handle.conn is None or handle.stop_sent or handle.worker_id not in active:
                 continue
             desired = self._desired(handle)
+            if draining and desired.threads > handle.applied.threads:
+                desired = replace(desired, threads=handle.applied.threads, cpus=handle.applied.cpus)
             if desired != handle.applied:
                 handle.applied = desired
                 self.send(handle, desired)

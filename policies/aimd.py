@@ -3,7 +3,9 @@
 Clipper's batch-size controller (Crankshaw et al., NSDI 2017), fed with the sampler's window:
 
 - not enough requests finished in the window (fewer than `min_requests` at `stage`): hold;
-- p99 > SLO: max_batch_size × decrease_factor (down by at least 1); optionally halve
+- p99 > SLO: max_batch_size × decrease_factor (down by at least 1), never below the items one
+  request brings each worker (Clipper's requests are one item each; a request of many is as late
+  as its last batch, and smaller batches only split it further); optionally halve
   batch_timeout too, so a partly filled batch does not wait while latency is already over.
   With `model_budget_fraction` set, only when the batch itself is what is slow (model-stage
   p99 > that share of the SLO), and then at least in proportion to the overshoot (size ×
@@ -118,8 +120,9 @@ class AimdPolicy:
                                        f"throughput they do not have; max_batch_size stays {size}")
             if queueing is None:
                 proposal = self._decrease(observation, knobs, bounds)
+                share = _request_share(observation, knobs)
                 if proposal == knobs:
-                    why += ": at the bound"
+                    why += f": a request brings each worker {share} items, smaller batches would only split it" if share >= size else ": at the bound"
             elif observation.load.batch_size >= p.fill_threshold * size:
                 why = f"{why}, {queueing}, batches full ({observation.load.batch_size:.1f} >= {p.fill_threshold:.2f} × {size})"
                 proposal, why = self._grow(observation, knobs, bounds, why, factor=p.queueing_growth_factor)
@@ -207,10 +210,22 @@ class AimdPolicy:
         if p.model_budget_fraction is not None and model is not None and model.p99:
             # the batch alone overshoots its share of the SLO: shrink in proportion, at once
             smaller = min(smaller, math.floor(size * p.model_budget_fraction * p.slo_p99_seconds / model.p99))
+        # A request's latency is that of its last item: with k items a request, batches smaller than
+        # its share per worker only split it into more batches, each paying the per-batch cost
+        # (32-text requests shrunk to batches of 4 ran 8 batches each, at 1.5 s p99 and half the cores idle).
+        smaller = max(smaller, min(size, _request_share(observation, knobs)))
         proposal = knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", smaller))
         if p.halve_timeout_over_slo:
             proposal = proposal.replace(batch_timeout=clamp_knob(bounds, "batch_timeout", knobs.batch_timeout / 2))
         return proposal
+
+
+def _request_share(observation: Observation, knobs: Knobs) -> int:
+    """Items one request brings each worker: items dispatched per request completed, over the workers."""
+    load = observation.load
+    if load.items_rate <= 0 or load.completion_rate <= 0:
+        return 1
+    return max(1, math.floor(load.items_rate / load.completion_rate / knobs.process_count))
 
 
 def _efficiency(observation: Observation) -> float | None:

@@ -14,12 +14,16 @@ makes at most one move, the first of these that applies:
    while running: the preemptions themselves bring it back);
 3. ITL p99 over its objective: a decode step is too slow. If the prompt tokens one step prefills
    (a mean prompt, the prompt tokens arriving during one step, or those waiting in the workers) pass
-   half of max_batch_tokens, halve it, not below `min_batch_tokens` (a step that prefills a whole
-   chunk is the slow one; a chunk prompts never fill would change nothing); else, with full
+   half of max_batch_tokens, cut it: at least in half, and in proportion (to a quarter at most)
+   when ITL p99 is far over (a step that prefills a whole chunk is the slow one, and its time is mostly the chunk's),
+   not below `min_batch_tokens` (a chunk prompts never fill would change nothing); else, with full
    batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
    or too few first tokens to judge it while sequences queue (capacity is short: fewer rows would
    only lengthen the queue; hold); else more threads per worker and fewer workers (the same
-   rows on more cores: a bet that a step of more threads is faster, true on a quiet CPU);
+   rows on more cores). That last move is a bet: whether a step of more threads is faster
+   depends on the CPU and the model (SmolLM2 on two EPYC cores decodes no faster on 1 × 2 than
+   on 2 × 1). It is judged at the first decision after its cooldown: unless ITL p50 fell by
+   `min_layout_gain`, the layout goes back and the bet is not made again for `retry_seconds`;
 4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective): when
    sequences queue (in the front or in a worker) and batches are full, a larger batch (+
    `growth_step`; continuous batching makes more tokens per second at a larger batch), else one
@@ -61,6 +65,10 @@ class GenerateParams(Params):
     """max_batch_tokens is never halved below this."""
     cooldown_seconds: float = Field(10.0, ge=0)
     """Hold this long after a change, so the window measures the new knobs (one sampler window)."""
+    min_layout_gain: float = Field(0.1, ge=0, lt=1)
+    """A move to more threads per worker for ITL stays only if ITL p50 then falls by this share."""
+    retry_seconds: float = Field(300.0, ge=0)
+    """How long after a layout move that did not pay it is not tried again."""
 
 
 class GeneratePolicy:
@@ -72,6 +80,9 @@ class GeneratePolicy:
         self.params = params if params is not None else GenerateParams()
         self.name = self.kind
         self._changed_at: float | None = None
+        self._bet: tuple[Knobs, Knobs, float] | None = None
+        """(the knobs before a layout move for ITL, the knobs it moved to, ITL p50 before), until judged."""
+        self._no_bet_until = float("-inf")
 
     def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
         p = self.params
@@ -87,7 +98,8 @@ class GeneratePolicy:
         # Too few first tokens to judge TTFT (a slow, queued engine makes few): a queue says the same.
         short = ttft_over or (ttft_p99 is None and _queueing(observation))
         move = (
-            self._kv_thrash(observation, knobs, bounds)
+            self._judge_bet(observation, knobs, itl)
+            or self._kv_thrash(observation, knobs, bounds)
             or (self._itl_over(observation, knobs, bounds, short) if itl.p99 > p.itl_p99_seconds else None)
             or (self._ttft_over(observation, knobs, bounds) if ttft_over else None)
         )
@@ -120,15 +132,41 @@ class GeneratePolicy:
         return knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", smaller)), f"{why}: {fits} rows of {width:.0f} slots fit the KV cache"
 
     def _itl_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, short: bool) -> tuple[Knobs, str]:
+        p, itl = self.params, observation.load.latency["itl"]
         chunk = knobs.max_batch_tokens
-        half = max(self.params.min_batch_tokens, chunk // 2) if chunk else 256  # 0 prefilled whole prompts: start chunking
-        if (chunk == 0 or chunk > self.params.min_batch_tokens) and _prefill_per_step(observation) > half:
-            return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", half)), "ITL over with prompts prefilling: smaller prefill chunks"
+        half = max(p.min_batch_tokens, chunk // 2) if chunk else 256  # 0 prefilled whole prompts: start chunking
+        if (chunk == 0 or chunk > p.min_batch_tokens) and _prefill_per_step(observation) > half:
+            # ITL p99 is a step that prefilled a whole chunk: scale the chunk to what fits 80 % of the
+            # objective, by at most a quarter at once (a shared CPU's stalls count in that p99 too)
+            fits = int(chunk * 0.8 * p.itl_p99_seconds / itl.p99) if chunk else half
+            smaller = max(p.min_batch_tokens, chunk // 4, min(half, fits))
+            return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", smaller)), "ITL over with prompts prefilling: smaller prefill chunks"
         if self._batches_full(observation, knobs):
             if short:  # fewer rows would cut the tokens per second that a queue already lacks
                 return knobs, "ITL over with full batches and TTFT over (or sequences queued): capacity short, holding"
             return self._fewer_sequences(knobs, bounds), "ITL over with full batches: fewer rows per step"
-        return self._layout(knobs, bounds, knobs.process_count - 1), "ITL over: more threads per step"
+        if observation.time < self._no_bet_until:
+            return knobs, f"ITL over, but more threads per step did not lower it ({self._no_bet_until - observation.time:.0f} s before trying again): holding"
+        moved = self._layout(knobs, bounds, knobs.process_count - 1)
+        if moved != knobs and itl.p50 is not None:
+            self._bet = (knobs, moved, itl.p50)
+        return moved, "ITL over: more threads per step"
+
+    def _judge_bet(self, observation: Observation, knobs: Knobs, itl) -> tuple[Knobs, str] | None:
+        """After a layout move for ITL: keep it if ITL p50 fell by min_layout_gain, else go back."""
+        bet, self._bet = self._bet, None
+        if bet is None or itl.p50 is None:
+            return None
+        before, moved, p50_before = bet
+        layout = (knobs.process_count, knobs.threads_per_process)
+        if layout != (moved.process_count, moved.threads_per_process):
+            return None  # something else changed the layout since: nothing to judge
+        if itl.p50 <= (1 - self.params.min_layout_gain) * p50_before:
+            return None
+        self._no_bet_until = observation.time + self.params.retry_seconds
+        back = knobs.replace(process_count=before.process_count, threads_per_process=before.threads_per_process)
+        return back, (f"ITL p50 {_ms(itl.p50)} on {moved.process_count} × {moved.threads_per_process} against {_ms(p50_before)} before: "
+                      f"more threads per step did not pay (< -{self.params.min_layout_gain:.0%}); back, not again for {self.params.retry_seconds:g} s")
 
     def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str]:
         itl = observation.load.latency["itl"]

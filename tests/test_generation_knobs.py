@@ -5,6 +5,7 @@ and through a real engine's workers, and no stream loses or changes a token."""
 from __future__ import annotations
 
 import pytest
+from helpers import wait_until
 from test_engine_generation import PROMPTS as ENGINE_PROMPTS
 from test_engine_generation import reference_tokens
 from test_generation import EOS, PROMPTS, drain, gpt2, greedy, llama, model, reference, tokens  # noqa: F401  (fixtures)
@@ -122,3 +123,37 @@ def test_a_generating_engines_observations_carry_ttft_itl_and_the_workers_sequen
     assert worker.kv_tokens_total == engine.info.kv_tokens and worker.running_sequences == 0
     entry = DecisionLoop(GeneratePolicy(), engine.config.bounds, ControllerConfig()).entry(observation, engine.knobs, None, None, "x", "y")
     assert entry["observation"]["itl_p99_seconds"] == round(itl.p99, 5) and entry["observation"]["preemptions"] == 0
+
+
+def test_while_a_worker_drains_the_kept_one_takes_its_cores_only_after(tiny_causal_lm):
+    """2 × 1 -> 1 × 2 with sequences running in both: the drained worker finishes its own on its
+    own CPU, and the kept worker grows onto both cores only once it has gone (growing at once
+    put three OpenMP threads on two cores and stalled every stream)."""
+    from test_placement_live import allowed_cpus
+
+    from engine.placement import affinity_topology, plan_placement
+
+    if len(affinity_topology().cpus) < 2:
+        pytest.skip("needs two CPUs")
+    config = EngineConfig(model=tiny_causal_lm, task="generate", knobs=Knobs(process_count=2, threads_per_process=1, max_batch_size=4))
+    with Engine(config) as eng:
+        eng.wait_ready(workers=2)
+        params = SamplingParams(max_tokens=230, temperature=0, ignore_eos=True)
+        streams = [eng.generate(ENGINE_PROMPTS[i % 3], params) for i in range(8)]
+        for stream in streams:
+            stream.get(timeout=30)  # every worker is decoding
+        before = {w.worker_id: allowed_cpus(w.pid) for w in eng.stats().workers}
+        eng.apply(eng.knobs.replace(process_count=1, threads_per_process=2))
+        wait_until(lambda: any(w.state == "draining" for w in eng.stats().workers))
+        (kept,) = [w for w in eng.stats().workers if w.state != "draining"]
+        seen = []
+        while True:
+            cpus = allowed_cpus(kept.pid)  # read before the stats that show the other one still there
+            if len(eng.stats().workers) == 1:
+                break
+            seen.append(cpus)
+        assert seen and all(cpus == before[kept.worker_id] for cpus in seen), seen
+        want = set(plan_placement(affinity_topology(), 1, 2).workers[0].cpus)
+        wait_until(lambda: allowed_cpus(kept.pid) == want)
+        for stream in streams:
+            assert len(list(stream)) == 229  # nothing lost in the move

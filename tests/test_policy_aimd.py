@@ -76,6 +76,22 @@ def test_aimd_with_a_model_budget_grows_full_batches_when_queueing_breaks_the_sl
     assert clipper.knobs.max_batch_size == 3
 
 
+def test_aimd_never_shrinks_below_the_items_a_request_brings_each_worker():
+    """Requests of 32 texts on two workers (the bench's indexing load: 2 req/s, 64 items/s): a
+    batch over its model budget shrinks to 16, the half of a request each worker takes, and no
+    further; one-text requests shrink as before."""
+    policy = aimd(model_budget_fraction=0.5, cooldown_seconds=0)
+    two = Knobs(process_count=2, max_batch_size=32)
+    many = dict(p99=1.4, model_mean=0.6, batch_size=32.0, arrival=2.0, items_rate=64.0)
+    assert policy.decide(obs(0, **many), two, BOUNDS).knobs.max_batch_size == 16  # 32 × 0.25 / 0.6 = 13 in proportion
+    held = policy.decide(obs(1, **many), two.replace(max_batch_size=16), BOUNDS)
+    assert held.knobs.max_batch_size == 16 and "brings each worker 16 items" in held.reason
+    one_worker = policy.decide(obs(2, **many), two.replace(process_count=1), BOUNDS)
+    assert one_worker.knobs.max_batch_size == 32  # a worker takes the whole request
+    single = dict(many, items_rate=2.0)
+    assert policy.decide(obs(3, **single), two, BOUNDS).knobs.max_batch_size == 13
+
+
 def test_aimd_undoes_a_growth_that_did_not_pay_and_keeps_a_ceiling():
     policy = aimd(min_efficiency_gain=0.02, ceiling_seconds=100, cooldown_seconds=10, additive_step=4)
     knobs = Knobs(max_batch_size=8)

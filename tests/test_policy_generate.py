@@ -48,6 +48,8 @@ def test_preemptions_double_a_binding_kv_cap_and_shrink_the_batch_at_the_ceiling
 def test_itl_over_while_prompts_prefill_halves_the_chunk_down_to_its_floor():
     decision = decide(gen_obs(0, itl=0.4))
     assert decision.knobs.max_batch_tokens == 128 and "max_batch_tokens 256 -> 128" in decision.reason
+    far_over = decide(gen_obs(0, itl=0.8))  # a 256-token chunk makes 800-ms steps: 64 fit 80 % of 250 ms
+    assert far_over.knobs.max_batch_tokens == 64
     floor = decide(gen_obs(0, itl=0.4), START.replace(max_batch_tokens=40))
     assert floor.knobs.max_batch_tokens == 32
     whole = decide(gen_obs(0, itl=0.4), START.replace(max_batch_tokens=0))  # whole prompts: start chunking
@@ -139,13 +141,14 @@ def test_replaying_a_recorded_generation_run_changes_nothing_it_cannot_help():
     assert len(judged) > 20 and all(r.endswith("ITL over: more threads per step: no change") for r in judged)
 
 
-def test_on_the_recorded_burst_prompts_waiting_in_the_worker_make_the_chunk_halve():
+def test_on_the_recorded_burst_prompts_waiting_in_the_worker_make_the_chunk_shrink():
     """Eight 256-token prompts at once: six wait in the worker while steps prefill 512 tokens each
     and ITL p99 is 6.2 s. Judged on that window (it holds only 10 inter-token latencies, so the
-    shipped min_tokens of 20 holds there), the prompts waiting fill the chunk: halve it."""
+    shipped min_tokens of 20 holds there), the prompts waiting fill the chunk: cut it, in
+    proportion to the overshoot but to a quarter at most in one move."""
     (observation, knobs), = [(o, k) for phase, k, o in recorded() if phase == "heavy" and o.workers[0].waiting_sequences == 6][:1]
     decision = GeneratePolicy(GenerateParams(min_tokens=5)).decide(observation, knobs, TWO_CORES)
-    assert decision.knobs == knobs.replace(max_batch_tokens=256) and "smaller prefill chunks" in decision.reason
+    assert decision.knobs == knobs.replace(max_batch_tokens=128) and "smaller prefill chunks" in decision.reason
 
 
 def test_itl_over_with_prompts_that_never_fill_the_chunk_leaves_the_chunk_alone():
@@ -159,3 +162,23 @@ def test_itl_and_ttft_both_over_with_full_batches_hold_rather_than_cut_throughpu
     assert decision.knobs == at_floor and "capacity short" in decision.reason
     queued = decide(gen_obs(0, itl=0.4, ttft=None, first_tokens=0, held=16, queue_depth=3), at_floor)  # too few first tokens to judge TTFT
     assert queued.knobs == at_floor and "capacity short" in queued.reason
+
+
+def test_more_threads_per_step_is_a_bet_undone_when_itl_does_not_fall():
+    """SmolLM2 on these two cores decodes no faster on 1 × 2 than on 2 × 1: the move for ITL is
+    judged after its cooldown, undone when ITL p50 did not fall by 10 %, and not retried for
+    retry_seconds; a move that paid stays."""
+    at_floor = START.replace(max_batch_tokens=32)
+    policy = GeneratePolicy()
+    bet = policy.decide(gen_obs(0, itl=0.4, held=4), at_floor, TWO_CORES)
+    assert (bet.knobs.process_count, bet.knobs.threads_per_process) == (1, 2)
+    judged = policy.decide(gen_obs(11, itl=0.39, held=8, workers=1), bet.knobs, TWO_CORES)
+    assert (judged.knobs.process_count, judged.knobs.threads_per_process) == (2, 1) and "did not pay" in judged.reason
+    again = policy.decide(gen_obs(22, itl=0.4, held=4), judged.knobs, TWO_CORES)
+    assert again.knobs == judged.knobs and "before trying again" in again.reason
+    later = policy.decide(gen_obs(22 + 300, itl=0.4, held=4), judged.knobs, TWO_CORES)
+    assert later.knobs.process_count == 1  # the bet may be made again
+    paid = GeneratePolicy()
+    moved = paid.decide(gen_obs(0, itl=0.4, held=4), at_floor, TWO_CORES).knobs
+    kept = paid.decide(gen_obs(11, itl=0.2, held=8, workers=1), moved, TWO_CORES)
+    assert kept.knobs == moved and "holding" in kept.reason
