@@ -4,7 +4,7 @@ each measured by `selftune bench --task generate --url` (the same seeded arrival
 objectives for all), one server at a time, in the order given, `--rounds` times with the order
 reversed every other round (A B C, C B A).
 
-    python benchmarks/gen_peers.py [--peers selftune,transformers-cb,naive] [--rounds 1] [--out gen-peers] [--quick]
+    python benchmarks/gen_peers.py [--peers selftune,transformers-cb,naive] [--rounds 1] [--out gen-peers] [--quick] [--dtype bfloat16]
 
 Prints each run's max req/s within the objectives and output tokens/s, and writes every bench's
 outputs under --out/ROUND-PEER/. `transformers serve` needs `accelerate` (pip install accelerate).
@@ -33,13 +33,13 @@ def model_dir() -> str:
     return resolve_model("builtin:smollm2", EngineConfig().cache_dir).path
 
 
-def command(peer: str, port: int, path: str) -> list[str]:
+def command(peer: str, port: int, path: str, dtype: str = "float32") -> list[str]:
     if peer == "selftune":
-        return ["selftune", "serve", "--model", "builtin:smollm2", "--task", "generate", "--port", str(port)]
+        return ["selftune", "serve", "--model", "builtin:smollm2", "--task", "generate", "--dtype", dtype, "--port", str(port)]
     if peer == "transformers-cb":
-        return ["transformers", "serve", path, "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+        return ["transformers", "serve", path, "--continuous-batching", "--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
     if peer == "naive":
-        return [sys.executable, os.path.join(HERE, "naive_generate_server.py"), path, "--port", str(port)]
+        return [sys.executable, os.path.join(HERE, "naive_generate_server.py"), path, "--port", str(port), "--dtype", dtype]
     raise ValueError(f"unknown peer {peer!r}")
 
 
@@ -57,11 +57,11 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     raise TimeoutError(f"{url} did not come up in {timeout:.0f} s")
 
 
-def measure(peer: str, out: str, quick: bool, port: int = 8041) -> dict:
+def measure(peer: str, out: str, quick: bool, dtype: str = "float32", port: int = 8041) -> dict:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(os.path.join(out, "server.log"), "w") as log:
-        proc = subprocess.Popen(command(peer, port, model_dir()), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(command(peer, port, model_dir(), dtype), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             wait_up(url, proc)
             # --stop-at-eos: transformers serve refuses ignore_eos (422), so every peer stops at EOS (greedy: the same outputs everywhere).
@@ -86,6 +86,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default="gen-peers")
     parser.add_argument("--quick", action="store_true", help="selftune bench --quick (15-s steps)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every peer loads the model in this dtype")
     args = parser.parse_args()
     peers = args.peers.split(",")
     rows = []
@@ -94,7 +95,7 @@ def main() -> int:
             out = os.path.join(args.out, f"{r + 1}-{peer}")
             os.makedirs(out, exist_ok=True)
             print(f"[{time.strftime('%H:%M:%S')}] round {r + 1}: {peer} (load {os.getloadavg()[0]:.2f})", flush=True)
-            rows.append({"round": r + 1, **measure(peer, out, args.quick)})
+            rows.append({"round": r + 1, **measure(peer, out, args.quick, args.dtype)})
             print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, "peers.json"), "w") as f:
         json.dump(rows, f, indent=1)

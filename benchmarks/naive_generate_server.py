@@ -21,7 +21,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def build_app(model_dir: str, threads: int):
+def build_app(model_dir: str, threads: int, dtype: str = "float32"):
     import torch
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -47,7 +47,7 @@ def build_app(model_dir: str, threads: int):
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     name = os.path.basename(os.path.normpath(model_dir))
     one_at_a_time = threading.Lock()  # what makes it naive: generate() serves one request
     app = FastAPI()
@@ -103,10 +103,11 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("--port", type=int, default=8030)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     import uvicorn
 
-    uvicorn.run(build_app(args.model_dir, args.threads), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(build_app(args.model_dir, args.threads, args.dtype), host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

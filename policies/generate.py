@@ -15,27 +15,35 @@ makes at most one move, the first of these that applies:
 3. ITL p99 over its objective: a decode step is too slow. If the prompt tokens one step prefills
    (a mean prompt, the prompt tokens arriving during one step, or those waiting in the workers) pass
    half of max_batch_tokens, cut it: at least in half, and in proportion (to a quarter at most)
-   when ITL p99 is far over (a step that prefills a whole chunk is the slow one, and its time is mostly the chunk's),
-   not below `min_batch_tokens` (a chunk prompts never fill would change nothing); else, with full
+   when ITL p99 is far over (a step that prefills a whole chunk is the slow one), not below `min_batch_tokens` (a chunk prompts never fill would change nothing); else, with full
    batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
    or too few first tokens to judge it while sequences queue (capacity is short: fewer rows would
    only lengthen the queue; hold); else more threads per worker and fewer workers (the same
    rows on more cores). That last move is a bet: whether a step of more threads is faster
    depends on the CPU and the model (SmolLM2 on two EPYC cores decodes no faster on 1 × 2 than
-   on 2 × 1). It is judged at the first decision after its cooldown: unless ITL p50 fell by
-   `min_layout_gain`, the layout goes back and the bet is not made again for `retry_seconds`;
+   on 2 × 1). It is judged on the first window measured wholly after it (the policy holds till
+   then): unless ITL p50 fell by
+   `min_layout_gain`, the layout goes back and the bet is not made again for `retry_seconds`.
+   One worker that has every thread already makes the opposite bet, judged the same way: one
+   more worker, the rows split over both;
 4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective): when
    sequences queue (in the front or in a worker) and batches are full, a larger batch (+
    `growth_step`; continuous batching makes more tokens per second at a larger batch), else one
    more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
-   prefill: a larger max_batch_tokens (fewer steps per prompt);
-5. otherwise hold (both met, or TTFT over with no ITL headroom: capacity is short, said so).
+   prefill: a larger max_batch_tokens (fewer steps per prompt). Without ITL headroom capacity is
+   short: with sequences queued and more than one thread per worker, one more worker, else hold
+   and say so. One more worker that takes threads from the others is a bet too (fewer threads
+   per step may cost ITL, or nothing where steps do not speed up with threads): kept if the
+   output tokens/s rose by `min_layout_gain` or nothing queues any more, else undone;
+5. otherwise hold (both met).
 
 The threads a layout spreads over are the bounds' most threads per worker (the controller sets
 it to the usable cores). Only the knobs named here change; batch_timeout and io_threads pass through.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 from pydantic import Field
 
@@ -62,13 +70,13 @@ class GenerateParams(Params):
     fill_threshold: float = Field(0.8, gt=0, le=1)
     """Batches are full when the ready workers hold on average >= this × max_batch_size sequences."""
     min_batch_tokens: int = Field(32, ge=1)
-    """max_batch_tokens is never halved below this."""
+    """max_batch_tokens is never cut below this."""
     cooldown_seconds: float = Field(10.0, ge=0)
     """Hold this long after a change, so the window measures the new knobs (one sampler window)."""
     min_layout_gain: float = Field(0.1, ge=0, lt=1)
-    """A move to more threads per worker for ITL stays only if ITL p50 then falls by this share."""
+    """A layout bet stays only if ITL p50 then falls (more threads) or output tokens/s rise (more workers) by this share."""
     retry_seconds: float = Field(300.0, ge=0)
-    """How long after a layout move that did not pay it is not tried again."""
+    """How long a layout bet that did not pay is not made again."""
 
 
 class GeneratePolicy:
@@ -80,12 +88,14 @@ class GeneratePolicy:
         self.params = params if params is not None else GenerateParams()
         self.name = self.kind
         self._changed_at: float | None = None
-        self._bet: tuple[Knobs, Knobs, float] | None = None
-        """(the knobs before a layout move for ITL, the knobs it moved to, ITL p50 before), until judged."""
-        self._no_bet_until = float("-inf")
+        self._bet: _LayoutBet | None = None
+        """The last layout move, until judged."""
+        self._no_bet_until = {"threads": float("-inf"), "workers": float("-inf")}
 
     def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
         p = self.params
+        if self._bet is not None and self._bet.settled is None:
+            self._bet = replace(self._bet, settled=observation.time)
         itl = observation.load.latency.get("itl")
         if itl is None or itl.count < p.min_tokens or itl.p99 is None:
             return Decision(knobs, f"{itl.count if itl else 0} of {p.min_tokens} inter-token latencies in the window: holding")
@@ -98,7 +108,7 @@ class GeneratePolicy:
         # Too few first tokens to judge TTFT (a slow, queued engine makes few): a queue says the same.
         short = ttft_over or (ttft_p99 is None and _queueing(observation))
         move = (
-            self._judge_bet(observation, knobs, itl)
+            self._judge_bet(observation, knobs)
             or self._kv_thrash(observation, knobs, bounds)
             or (self._itl_over(observation, knobs, bounds, short) if itl.p99 > p.itl_p99_seconds else None)
             or (self._ttft_over(observation, knobs, bounds) if ttft_over else None)
@@ -145,42 +155,71 @@ class GeneratePolicy:
             if short:  # fewer rows would cut the tokens per second that a queue already lacks
                 return knobs, "ITL over with full batches and TTFT over (or sequences queued): capacity short, holding"
             return self._fewer_sequences(knobs, bounds), "ITL over with full batches: fewer rows per step"
-        if observation.time < self._no_bet_until:
-            return knobs, f"ITL over, but more threads per step did not lower it ({self._no_bet_until - observation.time:.0f} s before trying again): holding"
-        moved = self._layout(knobs, bounds, knobs.process_count - 1)
-        if moved != knobs and itl.p50 is not None:
-            self._bet = (knobs, moved, itl.p50)
-        return moved, "ITL over: more threads per step"
+        if self._layout(knobs, bounds, knobs.process_count - 1) == knobs and knobs.threads_per_process > 1:
+            # No more threads to give a step: split the rows over more workers instead, judged the same way.
+            return self._bet_on_layout(observation, knobs, bounds, "workers", "itl", "ITL over, no more threads to give a step: one more worker, fewer rows each")
+        return self._bet_on_layout(observation, knobs, bounds, "threads", "itl", "ITL over: more threads per step")
 
-    def _judge_bet(self, observation: Observation, knobs: Knobs, itl) -> tuple[Knobs, str] | None:
-        """After a layout move for ITL: keep it if ITL p50 fell by min_layout_gain, else go back."""
-        bet, self._bet = self._bet, None
-        if bet is None or itl.p50 is None:
+    def _bet_on_layout(self, observation: Observation, knobs: Knobs, bounds: Bounds, kind: str, metric: str, why: str) -> tuple[Knobs, str]:
+        """A layout move whose gain depends on the CPU and the model: made, then judged on `metric`
+        ("itl": ITL p50 must fall, "tokens": output tokens/s must rise) by _judge_bet."""
+        if observation.time < self._no_bet_until[kind]:
+            return knobs, f"{why} did not pay last time ({self._no_bet_until[kind] - observation.time:.0f} s before trying again): holding"
+        moved = self._layout(knobs, bounds, knobs.process_count + (1 if kind == "workers" else -1))
+        if moved.threads_per_process == knobs.threads_per_process:
+            return moved, why  # more workers on cores that were idle: no bet
+        measure = _measure(observation, metric)
+        if moved != knobs and measure is not None:
+            self._bet = _LayoutBet(kind, metric, knobs, moved, measure)
+        return moved, why
+
+    def _judge_bet(self, observation: Observation, knobs: Knobs) -> tuple[Knobs, str] | None:
+        """After a layout move: keep it if its metric moved the right way by min_layout_gain, else go back."""
+        bet = self._bet
+        if bet is None:
             return None
-        before, moved, p50_before = bet
-        layout = (knobs.process_count, knobs.threads_per_process)
-        if layout != (moved.process_count, moved.threads_per_process):
+        if (knobs.process_count, knobs.threads_per_process) != (bet.moved.process_count, bet.moved.threads_per_process):
+            self._bet = None
             return None  # something else changed the layout since: nothing to judge
-        if itl.p50 <= (1 - self.params.min_layout_gain) * p50_before:
+        if bet.settled is None or observation.time < bet.settled + observation.window_seconds:
+            return knobs, "a layout move is being judged: holding until a whole window is measured after it"
+        self._bet = None
+        gain, now = self.params.min_layout_gain, _measure(observation, bet.metric)
+        if now is None:
             return None
-        self._no_bet_until = observation.time + self.params.retry_seconds
-        back = knobs.replace(process_count=before.process_count, threads_per_process=before.threads_per_process)
-        return back, (f"ITL p50 {_ms(itl.p50)} on {moved.process_count} × {moved.threads_per_process} against {_ms(p50_before)} before: "
-                      f"more threads per step did not pay (< -{self.params.min_layout_gain:.0%}); back, not again for {self.params.retry_seconds:g} s")
+        if (now <= (1 - gain) * bet.measure) if bet.metric == "itl" else (now >= (1 + gain) * bet.measure or self._met(observation)):
+            return None
+        self._no_bet_until[bet.kind] = observation.time + self.params.retry_seconds
+        back = knobs.replace(process_count=bet.before.process_count, threads_per_process=bet.before.threads_per_process)
+        shown = (f"ITL p50 {_ms(now)}", _ms(bet.measure)) if bet.metric == "itl" else (f"{now:.1f} output tokens/s", f"{bet.measure:.1f}")
+        return back, (f"{shown[0]} on {bet.moved.process_count} × {bet.moved.threads_per_process} against {shown[1]} before: "
+                      f"more {bet.kind} did not pay (by {gain:.0%}); back, not again for {self.params.retry_seconds:g} s")
 
     def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str]:
         itl = observation.load.latency["itl"]
-        if itl.p99 > self.params.headroom * self.params.itl_p99_seconds:
-            return knobs, f"TTFT over but ITL has no headroom (> {self.params.headroom:g} × its objective): capacity short, holding"
         queueing = _queueing(observation)
+        if itl.p99 > self.params.headroom * self.params.itl_p99_seconds:
+            why = f"TTFT over but ITL has no headroom (> {self.params.headroom:g} × its objective): capacity short"
+            if queueing and knobs.threads_per_process > 1:
+                # Fewer threads per step may cost ITL, or nothing where a step does not speed up with threads
+                # (SmolLM2 on two EPYC cores): then two workers decode twice the rows. A bet, judged by tokens/s.
+                return self._bet_on_layout(observation, knobs, bounds, "workers", "tokens", f"{why}, sequences queue: one more worker")
+            return knobs, f"{why}, holding"
         full = self._batches_full(observation, knobs)
         if queueing and full and knobs.max_batch_size < bounds.max_batch_size[1]:
             grown = clamp_knob(bounds, "max_batch_size", knobs.max_batch_size + self.params.growth_step)
             return knobs.replace(max_batch_size=grown), "TTFT over, sequences queue behind full batches: a larger batch"
         if queueing:
-            return self._layout(knobs, bounds, knobs.process_count + 1), "TTFT over, sequences queue: one more worker"
+            return self._bet_on_layout(observation, knobs, bounds, "workers", "tokens", "TTFT over, sequences queue: one more worker")
         chunk = knobs.max_batch_tokens * 2 if knobs.max_batch_tokens else 0
         return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", chunk)), "TTFT over, nothing queues: larger prefill chunks"
+
+    def _met(self, observation: Observation) -> bool:
+        """Nothing queues and TTFT, where judged, is within its objective: capacity is no longer
+        short (the offered load may have fallen too, which tokens/s alone would read as a loss)."""
+        ttft = observation.load.latency.get("ttft")
+        slow = ttft is not None and ttft.count >= self.params.min_requests and ttft.p99 is not None and ttft.p99 > self.params.ttft_p99_seconds
+        return not _queueing(observation) and not slow
 
     def _batches_full(self, observation: Observation, knobs: Knobs) -> bool:
         ready = _ready(observation)
@@ -197,6 +236,28 @@ class GeneratePolicy:
         processes = clamp_knob(bounds, "process_count", processes)
         threads = clamp_knob(bounds, "threads_per_process", bounds.threads_per_process[1] // processes)
         return knobs.replace(process_count=processes, threads_per_process=threads)
+
+
+@dataclass(frozen=True, slots=True)
+class _LayoutBet:
+    kind: str
+    """"threads" (fewer workers, more threads each) or "workers" (more workers, fewer threads each)."""
+    metric: str
+    """What judges it: "itl" (ITL p50 must fall) or "tokens" (output tokens/s must rise)."""
+    before: Knobs
+    moved: Knobs
+    measure: float
+    """The metric before the move."""
+    settled: float | None = None
+    """When the policy was first asked after the move: the controller asks nothing while workers
+    start or drain, so the layout stood from then on, and a window later it can be judged."""
+
+
+def _measure(observation: Observation, metric: str) -> float | None:
+    if metric == "tokens":
+        return observation.load.tokens_per_second
+    itl = observation.load.latency.get("itl")
+    return itl.p50 if itl is not None else None
 
 
 def _prefill_per_step(observation: Observation) -> float:

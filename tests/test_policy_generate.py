@@ -126,19 +126,25 @@ def recorded() -> list[tuple[str, Knobs, Observation]]:
     return out
 
 
-def test_replaying_a_recorded_generation_run_changes_nothing_it_cannot_help():
+def test_replaying_a_recorded_generation_run_bets_on_the_layout_once_and_changes_nothing_else():
     """ITL p99 is over 250 ms all through (0.4–8 s: a slow, shared CPU), but one worker already
-    has both cores, batches are far from full and 32-token prompts never fill a 512-token chunk:
-    the policy holds, and says why, rather than cut the chunk or grow anything."""
+    has both cores, batches are far from full and 32-token prompts never fill a 512-token chunk.
+    The one move left is splitting the rows over two workers: made once, judged on the next
+    window wholly after it (ITL p50 450 ms against 169 ms: it did not pay), undone, and not made again within
+    retry_seconds; the chunk and the batch never change. Each decision's knobs are fed back."""
     policy = GeneratePolicy()
-    knobs = recorded()[0][1]
-    reasons = []
+    start = knobs = recorded()[0][1]
+    changes, reasons = [], []
     for _, _, observation in recorded():
         decision = policy.decide(observation, knobs, TWO_CORES)
-        assert decision.knobs == knobs
+        if decision.knobs != knobs:
+            changes.append((decision.knobs.process_count, decision.knobs.threads_per_process))
+        knobs = decision.knobs
+        assert (knobs.max_batch_size, knobs.max_batch_tokens, knobs.kv_tokens) == (start.max_batch_size, start.max_batch_tokens, start.kv_tokens)
         reasons.append(decision.reason)
-    judged = [r for r in reasons if "inter-token latencies in the window" not in r]
-    assert len(judged) > 20 and all(r.endswith("ITL over: more threads per step: no change") for r in judged)
+    assert changes == [(2, 1), (1, 2)] and knobs == start
+    held = [r for r in reasons if "did not pay last time" in r]
+    assert len(held) > 20 and all(r.endswith("holding: no change") for r in held)
 
 
 def test_on_the_recorded_burst_prompts_waiting_in_the_worker_make_the_chunk_shrink():
@@ -164,21 +170,75 @@ def test_itl_and_ttft_both_over_with_full_batches_hold_rather_than_cut_throughpu
     assert queued.knobs == at_floor and "capacity short" in queued.reason
 
 
+def settle(policy, observation, knobs):
+    """The controller's first call after a layout move (it asks nothing while workers start or
+    drain): the policy holds, and judges the move a whole window later."""
+    decision = policy.decide(observation, knobs, TWO_CORES)
+    assert decision.knobs == knobs and "being judged" in decision.reason
+    return knobs
+
+
 def test_more_threads_per_step_is_a_bet_undone_when_itl_does_not_fall():
     """SmolLM2 on these two cores decodes no faster on 1 × 2 than on 2 × 1: the move for ITL is
-    judged after its cooldown, undone when ITL p50 did not fall by 10 %, and not retried for
-    retry_seconds; a move that paid stays."""
+    judged on the first window wholly after it, undone when ITL p50 did not fall by 10 %, and not
+    retried for retry_seconds; a move that paid stays."""
     at_floor = START.replace(max_batch_tokens=32)
     policy = GeneratePolicy()
     bet = policy.decide(gen_obs(0, itl=0.4, held=4), at_floor, TWO_CORES)
     assert (bet.knobs.process_count, bet.knobs.threads_per_process) == (1, 2)
-    judged = policy.decide(gen_obs(11, itl=0.39, held=8, workers=1), bet.knobs, TWO_CORES)
+    settle(policy, gen_obs(11, itl=0.39, held=8, workers=1), bet.knobs)
+    judged = policy.decide(gen_obs(21, itl=0.39, held=8, workers=1), bet.knobs, TWO_CORES)
     assert (judged.knobs.process_count, judged.knobs.threads_per_process) == (2, 1) and "did not pay" in judged.reason
-    again = policy.decide(gen_obs(22, itl=0.4, held=4), judged.knobs, TWO_CORES)
+    again = policy.decide(gen_obs(32, itl=0.4, held=4), judged.knobs, TWO_CORES)
     assert again.knobs == judged.knobs and "before trying again" in again.reason
-    later = policy.decide(gen_obs(22 + 300, itl=0.4, held=4), judged.knobs, TWO_CORES)
+    later = policy.decide(gen_obs(21 + 300, itl=0.4, held=4), judged.knobs, TWO_CORES)
     assert later.knobs.process_count == 1  # the bet may be made again
     paid = GeneratePolicy()
     moved = paid.decide(gen_obs(0, itl=0.4, held=4), at_floor, TWO_CORES).knobs
-    kept = paid.decide(gen_obs(11, itl=0.2, held=8, workers=1), moved, TWO_CORES)
+    settle(paid, gen_obs(11, itl=0.2, held=8, workers=1), moved)
+    kept = paid.decide(gen_obs(21, itl=0.2, held=8, workers=1), moved, TWO_CORES)
     assert kept.knobs == moved and "holding" in kept.reason
+
+
+def test_capacity_short_on_one_worker_of_two_threads_bets_on_a_second_worker_judged_by_tokens():
+    """1 × 2, TTFT over, sequences queued and ITL near its objective: one more worker, kept when
+    the output tokens/s rose by 10 %, undone (and not retried for retry_seconds) when they did not."""
+    one = START.replace(process_count=1, threads_per_process=2)
+    short = dict(ttft=3.0, itl=0.24, held=16, queue_depth=5, workers=1)
+    policy = GeneratePolicy()
+    split = policy.decide(gen_obs(0, tokens=200, **short), one, TWO_CORES)
+    assert (split.knobs.process_count, split.knobs.threads_per_process) == (2, 1) and "one more worker" in split.reason
+    settle(policy, gen_obs(11, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=400), split.knobs)
+    kept = policy.decide(gen_obs(21, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=400), split.knobs, TWO_CORES)
+    assert kept.knobs == split.knobs
+    unpaid = GeneratePolicy()
+    moved = unpaid.decide(gen_obs(0, tokens=200, **short), one, TWO_CORES).knobs
+    settle(unpaid, gen_obs(11, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=210), moved)
+    back = unpaid.decide(gen_obs(21, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=210), moved, TWO_CORES)
+    assert back.knobs == one and "more workers did not pay" in back.reason
+    again = unpaid.decide(gen_obs(32, tokens=200, **short), one, TWO_CORES)
+    assert again.knobs == one and "before trying again" in again.reason
+
+
+def test_itl_over_on_one_worker_that_has_every_thread_bets_on_two_workers_judged_by_itl():
+    """An autotuned bench run held 1 × 2 with ITL over and nothing else to try: with no more
+    threads to give a step, the rows go over two workers, kept when ITL p50 fell."""
+    one = START.replace(process_count=1, threads_per_process=2, max_batch_tokens=32)
+    policy = GeneratePolicy()
+    split = policy.decide(gen_obs(0, itl=0.3, held=3, workers=1), one, TWO_CORES)
+    assert (split.knobs.process_count, split.knobs.threads_per_process) == (2, 1) and "no more threads" in split.reason
+    settle(policy, gen_obs(11, itl=0.2, held=2), split.knobs)
+    assert policy.decide(gen_obs(21, itl=0.2, held=2), split.knobs, TWO_CORES).knobs.process_count == 2  # ITL p50 100 ms against 150
+    unpaid = GeneratePolicy()
+    moved = unpaid.decide(gen_obs(0, itl=0.3, held=3, workers=1), one, TWO_CORES).knobs
+    settle(unpaid, gen_obs(11, itl=0.3, held=2), moved)
+    back = unpaid.decide(gen_obs(21, itl=0.3, held=2), moved, TWO_CORES)
+    assert back.knobs == one and "ITL p50 150 ms on 2 × 1 against 150 ms before" in back.reason
+
+
+def test_a_second_worker_is_kept_when_the_queue_is_gone_even_if_tokens_fell_with_the_load():
+    one = START.replace(process_count=1, threads_per_process=2)
+    policy = GeneratePolicy()
+    split = policy.decide(gen_obs(0, ttft=3.0, itl=0.24, held=16, queue_depth=5, workers=1, tokens=400), one, TWO_CORES)
+    settle(policy, gen_obs(11, ttft=1.0, itl=0.1, held=3, tokens=200), split.knobs)
+    assert policy.decide(gen_obs(21, ttft=1.0, itl=0.1, held=3, tokens=200), split.knobs, TWO_CORES).knobs == split.knobs
