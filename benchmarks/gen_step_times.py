@@ -36,7 +36,7 @@ def measure(model, rows: int, prompt: int, chunk: int) -> dict:
         runner.prefill_chunk = chunk
         runner.add(SequenceRequest(rows, tuple(range(2000, 2000 + prompt)), params))
         prefill = []
-        while runner.num_waiting or runner._partial is not None:
+        while runner.num_waiting or runner.prefilling:
             start = time.perf_counter()
             runner.step()
             prefill.append(time.perf_counter() - start)

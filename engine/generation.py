@@ -192,6 +192,11 @@ class GenerationRunner:
         return len(self._waiting)
 
     @property
+    def prefilling(self) -> bool:
+        """A prompt is being prefilled a chunk per step, beside the running rows."""
+        return self._partial is not None
+
+    @property
     def kv_tokens_used(self) -> int:
         """Token slots the cache holds now: rows × columns, padding included."""
         partial = 0 if self._partial is None else self._partial.done

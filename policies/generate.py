@@ -15,15 +15,16 @@ makes at most one move, the first of these that applies:
 3. ITL p99 over its objective: a decode step is too slow. If the prompt tokens one step prefills
    (a mean prompt, the prompt tokens arriving during one step, or those waiting in the workers) pass
    half of max_batch_tokens, cut it: at least in half, and in proportion (to a quarter at most)
-   when ITL p99 is far over (a step that prefills a whole chunk is the slow one), not below `min_batch_tokens` (a chunk prompts never fill would change nothing); else, with full
+   when ITL p99 is far over (a step that prefills a whole chunk is the slow one), not below
+   `min_batch_tokens` (a chunk prompts never fill would change nothing); else, with full
    batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
    or too few first tokens to judge it while sequences queue (capacity is short: fewer rows would
    only lengthen the queue; hold); else more threads per worker and fewer workers (the same
    rows on more cores). That last move is a bet: whether a step of more threads is faster
    depends on the CPU and the model (SmolLM2 on two EPYC cores decodes no faster on 1 × 2 than
    on 2 × 1). It is judged on the first window measured wholly after it (the policy holds till
-   then): unless ITL p50 fell by
-   `min_layout_gain`, the layout goes back and the bet is not made again for `retry_seconds`.
+   then): unless ITL p50 fell by `min_layout_gain`, the layout goes back and the bet is not made
+   again for `retry_seconds`.
    One worker that has every thread already makes the opposite bet, judged the same way: one
    more worker, the rows split over both;
 4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective): when
@@ -167,7 +168,8 @@ class GeneratePolicy:
             return knobs, f"{why} did not pay last time ({self._no_bet_until[kind] - observation.time:.0f} s before trying again): holding"
         moved = self._layout(knobs, bounds, knobs.process_count + (1 if kind == "workers" else -1))
         if moved.threads_per_process == knobs.threads_per_process:
-            return moved, why  # more workers on cores that were idle: no bet
+            # More workers on cores that were idle: no bet. Fewer workers with no more threads each: no gain.
+            return (moved, why) if kind == "workers" else (knobs, f"{why}: no more threads to give it, holding")
         measure = _measure(observation, metric)
         if moved != knobs and measure is not None:
             self._bet = _LayoutBet(kind, metric, knobs, moved, measure)

@@ -242,3 +242,9 @@ def test_a_second_worker_is_kept_when_the_queue_is_gone_even_if_tokens_fell_with
     split = policy.decide(gen_obs(0, ttft=3.0, itl=0.24, held=16, queue_depth=5, workers=1, tokens=400), one, TWO_CORES)
     settle(policy, gen_obs(11, ttft=1.0, itl=0.1, held=3, tokens=200), split.knobs)
     assert policy.decide(gen_obs(21, ttft=1.0, itl=0.1, held=3, tokens=200), split.knobs, TWO_CORES).knobs == split.knobs
+
+
+def test_no_worker_is_taken_away_for_itl_when_the_others_could_not_take_its_threads():
+    one_thread_each = dataclasses.replace(TWO_CORES, threads_per_process=(1, 1))
+    decision = GeneratePolicy().decide(gen_obs(0, itl=0.4, held=4), START.replace(max_batch_tokens=32), one_thread_each)
+    assert decision.knobs.process_count == 2 and "no more threads to give it" in decision.reason
