@@ -35,7 +35,7 @@ makes at most one move, the first of these that applies:
    short: with sequences queued and more than one thread per worker, one more worker, else hold
    and say so. One more worker that takes threads from the others is a bet too (fewer threads
    per step may cost ITL, or nothing where steps do not speed up with threads): kept if the
-   output tokens/s rose by `min_layout_gain` or nothing queues any more, else undone;
+   cores busy per output token fell by `min_layout_gain` or nothing queues any more, else undone;
 5. otherwise hold (both met).
 
 The threads a layout spreads over are the bounds' most threads per worker (the controller sets
@@ -75,7 +75,7 @@ class GenerateParams(Params):
     cooldown_seconds: float = Field(10.0, ge=0)
     """Hold this long after a change, so the window measures the new knobs (one sampler window)."""
     min_layout_gain: float = Field(0.1, ge=0, lt=1)
-    """A layout bet stays only if ITL p50 then falls (more threads) or output tokens/s rise (more workers) by this share."""
+    """A layout bet stays only if ITL p50 (more threads) or the busy cores per output token (more workers) then fall by this share."""
     retry_seconds: float = Field(300.0, ge=0)
     """How long a layout bet that did not pay is not made again."""
 
@@ -163,14 +163,14 @@ class GeneratePolicy:
 
     def _bet_on_layout(self, observation: Observation, knobs: Knobs, bounds: Bounds, kind: str, metric: str, why: str) -> tuple[Knobs, str]:
         """A layout move whose gain depends on the CPU and the model: made, then judged on `metric`
-        ("itl": ITL p50 must fall, "tokens": output tokens/s must rise) by _judge_bet."""
+        ("itl": ITL p50 must fall, "cost": busy core-seconds per output token must fall) by _judge_bet."""
         if observation.time < self._no_bet_until[kind]:
             return knobs, f"{why} did not pay last time ({self._no_bet_until[kind] - observation.time:.0f} s before trying again): holding"
         moved = self._layout(knobs, bounds, knobs.process_count + (1 if kind == "workers" else -1))
         if moved.threads_per_process == knobs.threads_per_process:
             # More workers on cores that were idle: no bet. Fewer workers with no more threads each: no gain.
             return (moved, why) if kind == "workers" else (knobs, f"{why}: no more threads to give it, holding")
-        measure = _measure(observation, metric)
+        measure = _measure(observation, metric, knobs)
         if moved != knobs and measure is not None:
             self._bet = _LayoutBet(kind, metric, knobs, moved, measure)
         return moved, why
@@ -186,14 +186,14 @@ class GeneratePolicy:
         if bet.settled is None or observation.time < bet.settled + observation.window_seconds:
             return knobs, "a layout move is being judged: holding until a whole window is measured after it"
         self._bet = None
-        gain, now = self.params.min_layout_gain, _measure(observation, bet.metric)
+        gain, now = self.params.min_layout_gain, _measure(observation, bet.metric, knobs)
         if now is None:
             return None
-        if (now <= (1 - gain) * bet.measure) if bet.metric == "itl" else (now >= (1 + gain) * bet.measure or self._met(observation)):
+        if now <= (1 - gain) * bet.measure or (bet.metric == "cost" and self._met(observation)):
             return None
         self._no_bet_until[bet.kind] = observation.time + self.params.retry_seconds
         back = knobs.replace(process_count=bet.before.process_count, threads_per_process=bet.before.threads_per_process)
-        shown = (f"ITL p50 {_ms(now)}", _ms(bet.measure)) if bet.metric == "itl" else (f"{now:.1f} output tokens/s", f"{bet.measure:.1f}")
+        shown = (f"ITL p50 {_ms(now)}", _ms(bet.measure)) if bet.metric == "itl" else (f"{now * 1000:.0f} core-ms per token", f"{bet.measure * 1000:.0f}")
         return back, (f"{shown[0]} on {bet.moved.process_count} × {bet.moved.threads_per_process} against {shown[1]} before: "
                       f"more {bet.kind} did not pay (by {gain:.0%}); back, not again for {self.params.retry_seconds:g} s")
 
@@ -203,22 +203,22 @@ class GeneratePolicy:
         if itl.p99 > self.params.headroom * self.params.itl_p99_seconds:
             why = f"TTFT over but ITL has no headroom (> {self.params.headroom:g} × its objective): capacity short"
             if queueing and knobs.threads_per_process > 1:
-                # Fewer threads per step may cost ITL, or nothing where a step does not speed up with threads
-                # (SmolLM2 on two EPYC cores): then two workers decode twice the rows. A bet, judged by tokens/s.
-                return self._bet_on_layout(observation, knobs, bounds, "workers", "tokens", f"{why}, sequences queue: one more worker")
+                # Fewer threads per step may cost ITL, or nothing where a step does not speed up with
+                # threads (SmolLM2 on two EPYC cores): then two workers decode twice the rows. A bet.
+                return self._bet_on_layout(observation, knobs, bounds, "workers", "cost", f"{why}, sequences queue: one more worker")
             return knobs, f"{why}, holding"
         full = self._batches_full(observation, knobs)
         if queueing and full and knobs.max_batch_size < bounds.max_batch_size[1]:
             grown = clamp_knob(bounds, "max_batch_size", knobs.max_batch_size + self.params.growth_step)
             return knobs.replace(max_batch_size=grown), "TTFT over, sequences queue behind full batches: a larger batch"
         if queueing:
-            return self._bet_on_layout(observation, knobs, bounds, "workers", "tokens", "TTFT over, sequences queue: one more worker")
+            return self._bet_on_layout(observation, knobs, bounds, "workers", "cost", "TTFT over, sequences queue: one more worker")
         chunk = knobs.max_batch_tokens * 2 if knobs.max_batch_tokens else 0
         return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", chunk)), "TTFT over, nothing queues: larger prefill chunks"
 
     def _met(self, observation: Observation) -> bool:
         """Nothing queues and TTFT, where judged, is within its objective: capacity is no longer
-        short (the offered load may have fallen too, which tokens/s alone would read as a loss)."""
+        short (the offered load may have fallen too, which a cost per token may not show at once)."""
         ttft = observation.load.latency.get("ttft")
         slow = ttft is not None and ttft.count >= self.params.min_requests and ttft.p99 is not None and ttft.p99 > self.params.ttft_p99_seconds
         return not _queueing(observation) and not slow
@@ -245,7 +245,7 @@ class _LayoutBet:
     kind: str
     """"threads" (fewer workers, more threads each) or "workers" (more workers, fewer threads each)."""
     metric: str
-    """What judges it: "itl" (ITL p50 must fall) or "tokens" (output tokens/s must rise)."""
+    """What judges it: "itl" (ITL p50 must fall) or "cost" (busy core-seconds per output token must fall)."""
     before: Knobs
     moved: Knobs
     measure: float
@@ -255,9 +255,14 @@ class _LayoutBet:
     start or drain, so the layout stood from then on, and a window later it can be judged."""
 
 
-def _measure(observation: Observation, metric: str) -> float | None:
-    if metric == "tokens":
-        return observation.load.tokens_per_second
+def _measure(observation: Observation, metric: str, knobs: Knobs) -> float | None:
+    """ITL p50, or the cores busy in the model per output token: the ready workers' busy shares ×
+    their threads over the tokens made. Unlike tokens/s, that cost does not fall with the offered
+    load, which the bench's rate ladder changes every few windows."""
+    if metric == "cost":
+        tokens = observation.load.tokens_per_second
+        busy = sum(w.busy_fraction for w in _ready(observation)) * knobs.threads_per_process
+        return busy / tokens if tokens > 0 and busy > 0 else None
     itl = observation.load.latency.get("itl")
     return itl.p50 if itl is not None else None
 

@@ -200,9 +200,10 @@ def test_more_threads_per_step_is_a_bet_undone_when_itl_does_not_fall():
     assert kept.knobs == moved and "holding" in kept.reason
 
 
-def test_capacity_short_on_one_worker_of_two_threads_bets_on_a_second_worker_judged_by_tokens():
+def test_capacity_short_on_one_worker_of_two_threads_bets_on_a_second_worker_judged_by_cost():
     """1 × 2, TTFT over, sequences queued and ITL near its objective: one more worker, kept when
-    the output tokens/s rose by 10 %, undone (and not retried for retry_seconds) when they did not."""
+    the cores busy per output token fell by 10 % (1.8 cores for 20 tokens/s, then for 40), undone
+    (and not retried for retry_seconds) when they did not (1.8 for 21)."""
     one = START.replace(process_count=1, threads_per_process=2)
     short = dict(ttft=3.0, itl=0.24, held=16, queue_depth=5, workers=1)
     policy = GeneratePolicy()
@@ -248,3 +249,17 @@ def test_no_worker_is_taken_away_for_itl_when_the_others_could_not_take_its_thre
     one_thread_each = dataclasses.replace(TWO_CORES, threads_per_process=(1, 1))
     decision = GeneratePolicy().decide(gen_obs(0, itl=0.4, held=4), START.replace(max_batch_tokens=32), one_thread_each)
     assert decision.knobs.process_count == 2 and "no more threads to give it" in decision.reason
+
+
+def test_a_second_worker_is_judged_by_cost_per_token_not_by_tokens_per_second_which_follow_the_load():
+    """After the move the offered load fell (the bench's ladder steps down): the same 20 tokens/s,
+    sequences still queued, but two workers busy 45 % each on one thread (0.9 cores) where one
+    had been busy 90 % on two (1.8): half the cost per token, so the second worker stays."""
+    one = START.replace(process_count=1, threads_per_process=2)
+    policy = GeneratePolicy()
+    split = policy.decide(gen_obs(0, ttft=3.0, itl=0.24, held=16, queue_depth=5, workers=1, tokens=200), one, TWO_CORES)
+    after = gen_obs(11, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=200)
+    after = dataclasses.replace(after, workers=tuple(dataclasses.replace(w, busy_fraction=0.45) for w in after.workers))
+    settle(policy, after, split.knobs)
+    kept = policy.decide(dataclasses.replace(after, time=21), split.knobs, TWO_CORES)
+    assert (kept.knobs.process_count, kept.knobs.threads_per_process) == (2, 1)
