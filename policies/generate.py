@@ -109,7 +109,7 @@ class GeneratePolicy:
         # Too few first tokens to judge TTFT (a slow, queued engine makes few): a queue says the same.
         short = ttft_over or (ttft_p99 is None and _queueing(observation))
         move = (
-            self._judge_bet(observation, knobs)
+            self._judge_bet(observation, knobs, ttft_over)
             or self._kv_thrash(observation, knobs, bounds)
             or (self._itl_over(observation, knobs, bounds, short) if itl.p99 > p.itl_p99_seconds else None)
             or (self._ttft_over(observation, knobs, bounds) if ttft_over else None)
@@ -175,8 +175,10 @@ class GeneratePolicy:
             self._bet = _LayoutBet(kind, metric, knobs, moved, measure)
         return moved, why
 
-    def _judge_bet(self, observation: Observation, knobs: Knobs) -> tuple[Knobs, str] | None:
-        """After a layout move: keep it if its metric moved the right way by min_layout_gain, else go back."""
+    def _judge_bet(self, observation: Observation, knobs: Knobs, ttft_over: bool) -> tuple[Knobs, str] | None:
+        """After a layout move: keep it if its metric moved the right way by min_layout_gain, else go
+        back. A bet on more workers also stays when capacity is no longer short (nothing queues, TTFT
+        not over): the offered load may have fallen too, which a cost per token may not show at once."""
         bet = self._bet
         if bet is None:
             return None
@@ -189,7 +191,7 @@ class GeneratePolicy:
         gain, now = self.params.min_layout_gain, _measure(observation, bet.metric, knobs)
         if now is None:
             return None
-        if now <= (1 - gain) * bet.measure or (bet.metric == "cost" and self._met(observation)):
+        if now <= (1 - gain) * bet.measure or (bet.metric == "cost" and not ttft_over and not _queueing(observation)):
             return None
         self._no_bet_until[bet.kind] = observation.time + self.params.retry_seconds
         back = knobs.replace(process_count=bet.before.process_count, threads_per_process=bet.before.threads_per_process)
@@ -215,13 +217,6 @@ class GeneratePolicy:
             return self._bet_on_layout(observation, knobs, bounds, "workers", "cost", "TTFT over, sequences queue: one more worker")
         chunk = knobs.max_batch_tokens * 2 if knobs.max_batch_tokens else 0
         return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", chunk)), "TTFT over, nothing queues: larger prefill chunks"
-
-    def _met(self, observation: Observation) -> bool:
-        """Nothing queues and TTFT, where judged, is within its objective: capacity is no longer
-        short (the offered load may have fallen too, which a cost per token may not show at once)."""
-        ttft = observation.load.latency.get("ttft")
-        slow = ttft is not None and ttft.count >= self.params.min_requests and ttft.p99 is not None and ttft.p99 > self.params.ttft_p99_seconds
-        return not _queueing(observation) and not slow
 
     def _batches_full(self, observation: Observation, knobs: Knobs) -> bool:
         ready = _ready(observation)
