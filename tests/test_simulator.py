@@ -20,9 +20,8 @@ from policies.loader import load_policy, policy_from_spec
 COST_MODEL = "configs/costmodels/epyc-2core-minilm.json"
 # The first 120 s of the Azure LLM conversation trace, byte for byte (tests/fixtures/README.md).
 AZURE_EXCERPT = str(Path(__file__).resolve().parent / "fixtures" / "traces" / "azure_llm_conv_2023_first120s.csv")
-# The whole hour, where the workplace's shared/ folder sits beside the checkout (CI has it);
-# the test that reads it skips without it.
-AZURE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "azure_llm_conv_2023.csv"
+# The whole hour, byte for byte (tests/fixtures/README.md).
+AZURE = Path(__file__).resolve().parent / "fixtures" / "traces" / "azure_llm_conv_2023.csv"
 
 
 def single_server() -> dict:
@@ -188,7 +187,6 @@ def test_azure_trace_excerpt_loads_with_its_count_span_clipping_and_speed():
     assert 0 < len(part) < len(arrivals) and part[0][0] >= 0 and part[-1][0] < 30
 
 
-@pytest.mark.skipif(not AZURE.is_file(), reason=f"the full Azure trace is not at {AZURE} (only CI and the workplace have shared/)")
 def test_azure_trace_loads_with_its_count_and_span():
     arrivals = trace(str(AZURE))
     assert len(arrivals) == 19_366
