@@ -4,9 +4,9 @@ some rows decoding while a long prompt is prefilled in chunks beside them.
     python benchmarks/gen_step_times.py [--rows 3] [--prompt 256] [--chunks 32,64,128] [--dtypes float32,bfloat16] [--rounds 2]
 
 For each (dtype, chunk), in rotating order, `--rounds` times: the median step with only the rows
-decoding, every step while the prompt prefills (a chunk's forward and the rows' decode, two model
-calls), and the first step after it joined. A decode step of a small model on a CPU reads all its
-weights once, so each extra model call in a step costs about one decode step.
+decoding, every step while the prompt prefills (the chunk beside the rows' decode, one model call
+since engine/ragged.py; two before), and the first step after it joined. A call of a small model on
+a CPU reads all its weights once, so each extra model call in a step costs about one decode step.
 """
 
 from __future__ import annotations

@@ -16,10 +16,11 @@ Layout of the running batch (why it looks like this):
   ``attention_mask`` so nobody attends to padding.
 * Because column index != token position once rows are padded, every forward gets explicit
   per-row ``position_ids`` (GPT-2 learned positions and Llama RoPE both read them).
-* New sequences are prefilled on their own (left-padded among themselves) and then merged
-  by left-padding whichever side is shorter; finished rows are dropped by index-selecting
-  rows and trimming leading columns that are padding in every remaining row, so the cache
-  never carries columns nobody needs.
+* A step is one forward pass (engine/ragged.py): the running rows' next tokens, flattened beside
+  the prompts joining this step (or the next chunk of a long one), each prompt on a cache of its
+  own. Prompts that have finished prefilling are merged by left-padding whichever side is
+  shorter; finished rows are dropped by index-selecting rows and trimming leading columns that
+  are padding in every remaining row, so the cache never carries columns nobody needs.
 
 KV memory is bounded: the dense cache holds rows × columns token slots (padding included),
 and `kv_tokens` caps them. Who joins and who is preempted is decided in engine/gen_admission.py
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from engine import ragged
 from engine.gen_admission import KV_RESERVE, admit, chunk_end, preemptions, prefills_in_chunks
 from engine.logits import adjust_row, logprobs_of, sample_tokens
 from engine.sampling import SamplingParams, TokenLogprobs
@@ -124,13 +126,14 @@ class _Sequence:
         return TokenOutput(self.seq_id, token, reason, logprobs)
 
 
-class _Partial:
-    """A prompt longer than prefill_chunk, prefilled a chunk per step on a cache of its own."""
+class _Prefill:
+    """A sequence whose context is being prefilled on a cache of its own, `done` tokens so far
+    (a whole short prompt in one step, or a long one a chunk per step)."""
 
     __slots__ = ("seq", "cache", "done")
 
-    def __init__(self, seq: _Sequence, cache: DynamicCache):
-        self.seq, self.cache, self.done = seq, cache, 0
+    def __init__(self, seq: _Sequence):
+        self.seq, self.cache, self.done = seq, DynamicCache(), 0
 
 
 class GenerationRunner:
@@ -163,12 +166,14 @@ class GenerationRunner:
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._max_positions = _max_positions(model)
+        self._fused = ragged.enable(model)
+        """One model call per step, however many parts (engine/ragged.py); else one per part."""
 
         self._waiting: OrderedDict[int, _Sequence] = OrderedDict()
         self._rows: list[_Sequence] = []  # running sequences, in cache row order
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, columns] long, 1 = real token
-        self._partial: _Partial | None = None  # a long prompt part-way through its chunked prefill
+        self._partial: _Prefill | None = None  # a long prompt part-way through its chunked prefill
 
     # ----------------------------------------------------------------- public API
 
@@ -239,26 +244,33 @@ class GenerationRunner:
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
-        """Admit (prefill) waiting sequences up to max_running, then decode one token for the rest.
+        """Admit waiting sequences up to max_running, then one forward pass: a token for every
+        running row, and the prompts (or the chunk of a long one) prefilling beside them.
 
         Returns one TokenOutput per sequence that produced a token: a newly admitted
         sequence's first token comes from its prefill, so it is not decoded again this step.
         Finished sequences are retired before returning.
         """
-        if self._partial is None:
-            admitted = self._admit()
-            if prefills_in_chunks([len(s.context_ids) for s in admitted], self.prefill_chunk):
-                self._partial, admitted = _Partial(admitted[0], DynamicCache()), []
-        else:
-            admitted = []
-        if self._partial is not None:
-            new_outputs, new_cache, new_mask, new_rows = self._prefill_chunk()
-        else:
-            new_outputs, new_cache, new_mask, new_rows = self._prefill(admitted) if admitted else ([], None, None, [])
-        self._preempt_to_fit(len(new_rows), 0 if new_mask is None else new_mask.shape[1])
-        outputs = self._decode() if self._rows else []
-        if new_rows:
-            self._merge(new_cache, new_mask, new_rows)
+        prefills = self._prefills()
+        ends = [chunk_end(p.done, len(p.seq.context_ids), self.prefill_chunk) for p in prefills]
+        self._preempt_to_fit(prefills, ends)
+        if self._rows:
+            self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
+        decode_logits, prefill_logits = self._run(prefills, ends)
+        outputs = self._decoded(decode_logits) if self._rows else []
+        new_outputs, joining = [], []
+        for part, end, logits in zip(prefills, ends, prefill_logits):
+            part.done = end
+            if end < len(part.seq.context_ids):
+                continue
+            if part is self._partial:
+                self._partial = None
+            (output,) = [part.seq.accept(*picked) for picked in self._sample(logits[None], [part.seq])]
+            new_outputs.append(output)
+            if output.finish_reason is None:
+                joining.append(part)
+        if joining:
+            self._merge(joining)
         return outputs + new_outputs
 
     # ------------------------------------------------------------ admission/prefill
@@ -274,40 +286,29 @@ class GenerationRunner:
         gen.manual_seed(seed)
         return gen
 
-    def _admit(self) -> list[_Sequence]:
-        """Pop the waiting sequences engine.gen_admission lets join (FIFO, the KV cap with its
-        reserve, the step's prefill budget)."""
+    def _prefills(self) -> list[_Prefill]:
+        """What this step prefills: the next chunk of the partial prompt, or the sequences
+        engine.gen_admission lets join (FIFO, the KV cap with its reserve, the step's prefill
+        budget), of which a lone long one goes on in chunks."""
+        if self._partial is not None:
+            return [self._partial]
         columns = 0 if self._mask is None else self._mask.shape[1]
         lengths = [len(s.context_ids) for s in self._waiting.values()]
         count = admit(lengths, len(self._rows), columns, self._max_running, self.kv_tokens, self.prefill_chunk)
-        return [self._waiting.popitem(last=False)[1] for _ in range(count)]
+        admitted = [_Prefill(self._waiting.popitem(last=False)[1]) for _ in range(count)]
+        if prefills_in_chunks([len(p.seq.context_ids) for p in admitted], self.prefill_chunk):
+            self._partial = admitted[0]
+        return admitted
 
-    def _prefill_chunk(self):
-        """The next chunk of the partial prompt, on its own cache; when it is the last, the
-        sequence samples its first token and joins like a newly prefilled one."""
-        part = self._partial
-        context = part.seq.context_ids
-        end = chunk_end(part.done, len(context), self.prefill_chunk)
-        ids = torch.tensor([context[part.done:end]], dtype=torch.long, device=self._device)
-        mask = torch.ones((1, end), dtype=torch.long, device=self._device)
-        positions = torch.arange(part.done, end, dtype=torch.long, device=self._device)[None]
-        logits = self._forward(ids, mask, positions, part.cache)
-        part.done = end
-        if end < len(context):
-            return [], None, None, []
-        self._partial = None
-        (output,) = [part.seq.accept(*picked) for picked in self._sample(logits, [part.seq])]
-        if output.finish_reason is not None:
-            return [output], None, None, []
-        return [output], part.cache, mask, [part.seq]
-
-    def _preempt_to_fit(self, joining: int, joining_width: int) -> None:
-        """Before a decode step adds a column (and `joining` prefilled rows merge): drop the
-        youngest rows engine.gen_admission names, and queue them first (they re-prefill over
-        what they had made)."""
-        partial = len(self._partial.seq.context_ids) if self._partial is not None else None
+    def _preempt_to_fit(self, prefills: list[_Prefill], ends: list[int]) -> None:
+        """Before a step adds a column to the running rows (and the prompts it completes, unless
+        their first token is their last, merge): drop the youngest rows engine.gen_admission
+        names, and queue them first (they re-prefill over what they had made)."""
+        joining = [len(p.seq.context_ids) for p, end in zip(prefills, ends)
+                   if end == len(p.seq.context_ids) and p.seq.num_generated + 1 < p.seq.request.params.max_tokens]
+        partial = next((len(p.seq.context_ids) for p, end in zip(prefills, ends) if end < len(p.seq.context_ids)), None)
         # A row's cached tokens are its next position; the longest of them is the cache's width.
-        count = preemptions([s.next_position for s in self._rows], joining, joining_width, partial, self.kv_tokens)
+        count = preemptions([s.next_position for s in self._rows], len(joining), max(joining, default=0), partial, self.kv_tokens)
         for _ in range(count):
             seq = self._rows[-1]
             self._retire([len(self._rows) - 1])
@@ -315,49 +316,51 @@ class GenerationRunner:
             self._waiting.move_to_end(seq.seq_id, last=False)
             self.preemptions += 1
 
-    def _prefill(self, seqs: list[_Sequence]):
-        """Run the prompts of newly admitted sequences as one left-padded batch.
+    def _merge(self, joining: list[_Prefill]) -> None:
+        """Append the prefilled sequences to the running batch in one copy, left-padding to the widest."""
+        caches = ([self._cache] if self._rows else []) + [p.cache for p in joining]
+        masks = ([self._mask] if self._rows else []) + [
+            torch.ones((1, p.done), dtype=torch.long, device=self._device) for p in joining]
+        width = max(m.shape[1] for m in masks)
+        if len(caches) > 1:
+            for index, layer in enumerate(caches[0].layers):
+                layer.keys = torch.cat([_pad_left(c.layers[index].keys, width) for c in caches], dim=0)
+                layer.values = torch.cat([_pad_left(c.layers[index].values, width) for c in caches], dim=0)
+        self._cache, self._mask = caches[0], torch.cat([_pad_left(m, width) for m in masks], dim=0)
+        self._rows.extend(p.seq for p in joining)
 
-        Returns (outputs, cache, mask, surviving sequences): sequences that already finished
-        on their first token are not part of the returned cache.
-        """
-        prompts = [s.context_ids for s in seqs]
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt):] = 1
-        ids, mask = ids.to(self._device), mask.to(self._device)
-        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        cache = DynamicCache()
-        logits = self._forward(ids, mask, positions, cache)
-        outputs = [seq.accept(*picked) for seq, picked in zip(seqs, self._sample(logits, seqs))]
-        keep = [row for row, out in enumerate(outputs) if out.finish_reason is None]
-        if len(keep) < len(seqs):
-            cache, mask = _select_rows(cache, mask, keep)
-        return outputs, cache, mask, [seqs[row] for row in keep]
+    # ------------------------------------------------------------------- the step's forward
 
-    def _merge(self, cache: DynamicCache, mask: torch.Tensor, seqs: list[_Sequence]) -> None:
-        """Append prefilled rows to the running batch, left-padding the shorter side."""
-        if not self._rows:
-            self._cache, self._mask, self._rows = cache, mask, list(seqs)
-            return
-        width = max(self._mask.shape[1], mask.shape[1])
-        for old, new in zip(self._cache.layers, cache.layers):
-            old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)], dim=0)
-            old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)], dim=0)
-        self._mask = torch.cat([_pad_left(self._mask, width), _pad_left(mask, width)], dim=0)
-        self._rows.extend(seqs)
+    def _run(self, prefills: list[_Prefill], ends: list[int]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The step's forward: one model call over every part when the model takes ragged calls
+        (engine/ragged.py), else one call per part. Returns the running rows' logits and each
+        prefill's last-token logits."""
+        rows, device = len(self._rows), self._device
+        parts, ids, positions = [], [], []
+        if rows:
+            ids.append(torch.tensor([s.last_token for s in self._rows], dtype=torch.long, device=device))
+            positions.append(torch.tensor([s.next_position for s in self._rows], dtype=torch.long, device=device))
+            parts.append(ragged.Part(self._cache, rows, True, self._mask[:, None, None, :].bool()))
+        for p, end in zip(prefills, ends):
+            ids.append(torch.tensor(p.seq.context_ids[p.done:end], dtype=torch.long, device=device))
+            positions.append(torch.arange(p.done, end, dtype=torch.long, device=device))
+            parts.append(ragged.Part(p.cache, end - p.done, False, ragged.causal_after(p.done, end - p.done, device)))
+        if self._fused and len(parts) > 1:
+            last = torch.tensor([part.tokens for part in parts]).cumsum(0) - 1
+            keep = torch.cat([torch.arange(rows), last[1:]]) if rows else last
+            logits = ragged.forward(self._model, self._cache_kwarg, torch.cat(ids)[None], torch.cat(positions)[None], parts, keep.to(device))
+            return (logits[:rows] if rows else None), list(logits[rows:])
+        logits = []
+        for part, part_ids, part_positions in zip(parts, ids, positions):
+            if part.decode:
+                logits.append(self._forward(part_ids[:, None], self._mask, part_positions[:, None], part.cache))
+            else:
+                mask = torch.ones((1, int(part_positions[-1]) + 1), dtype=torch.long, device=device)
+                logits.append(self._forward(part_ids[None], mask, part_positions[None], part.cache)[0])
+        return (logits[0] if rows else None), logits[1:] if rows else logits
 
-    # ------------------------------------------------------------------- decoding
-
-    def _decode(self) -> list[TokenOutput]:
-        """Feed every running row its newest token, sample the next, retire finished rows."""
-        ids = torch.tensor([[s.last_token] for s in self._rows], dtype=torch.long, device=self._device)
-        positions = torch.tensor([[s.next_position] for s in self._rows], dtype=torch.long, device=self._device)
-        self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
-        logits = self._forward(ids, self._mask, positions, self._cache)
+    def _decoded(self, logits: torch.Tensor) -> list[TokenOutput]:
+        """Sample every running row's next token from its logits; retire the rows that finished."""
         outputs = [seq.accept(*picked) for seq, picked in zip(self._rows, self._sample(logits, self._rows))]
         finished = [row for row, out in enumerate(outputs) if out.finish_reason is not None]
         if finished:
@@ -375,7 +378,7 @@ class GenerationRunner:
         self._rows = [self._rows[row] for row in keep]
 
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
-        """One model call that appends to `cache`; returns float32 logits of the last column."""
+        """One plain model call that appends to `cache`; returns float32 logits of the last column."""
         out = self._model(
             input_ids=ids,
             attention_mask=mask,

@@ -121,3 +121,9 @@ def test_profiling_the_real_runner_gives_a_cost_model_per_thread_count(tiny_caus
     assert load_gen_cost_model(str(path)).by_threads == model.by_threads
     with pytest.raises(ValueError, match="not a generation cost model"):
         load_gen_cost_model(os.path.join(ROOT, "configs", "costmodels", "epyc-2core-minilm.json"))
+
+
+def test_a_step_that_prefills_beside_the_decode_pays_for_one_model_call():
+    prefill, decode = COST.step_seconds(32, 0, 0, 1), COST.step_seconds(0, 4, 100, 1)
+    both = COST.step_seconds(32, 4, 100, 1)
+    assert both == pytest.approx(prefill + decode - 0.01)  # the smaller fixed part (p0) counted once

@@ -1,11 +1,12 @@
 """The generation cost model: seconds of one continuous-batching step of a worker, JSON.
 
-A step is at most two forward passes, as in engine/generation.py: the prefill of what joins
-(prompt tokens, padding included) and one decode token for every running row:
+A step is one forward pass, as in engine/generation.py (engine/ragged.py): the prefill of what joins
+(prompt tokens) beside one decode token for every running row. Each part's cost is fitted from
+steps that ran it alone; a step with both pays the fixed part of a call (reading the weights) once:
 
-    prefill(n)    = p0 + p1·n + p2·n²        n prompt tokens this step (0: no prefill pass)
+    prefill(n)    = p0 + p1·n + p2·n²        n prompt tokens this step (0: no prefill)
     decode(r, c)  = d0 + d1·r + d2·r·c       r running rows, each attending over c columns (r = 0: none)
-    step          = (prefill + decode) / speedup(threads) × max(1, busy workers × threads / cores)
+    step          = (prefill + decode − min(p0, d0) if both) / speedup(threads) × max(1, busy workers × threads / cores)
 
 Each thread count profiled has its own coefficients (`by_threads`); another count takes the
 nearest profiled one below it. A chunk of a long prompt is costed as a prefill of the chunk (its
@@ -48,6 +49,8 @@ class GenCostModel:
             seconds += p0 + p1 * prefill_tokens + p2 * prefill_tokens * prefill_tokens
         if rows:
             seconds += d0 + d1 * rows + d2 * rows * columns
+        if prefill_tokens and rows:
+            seconds -= min(p0, d0)  # both parts go through one model call, which reads the weights once
         return seconds * max(1.0, busy * threads / max(cores, 1))  # oversubscribed cores share out
 
     def to_json(self) -> dict:

@@ -21,7 +21,7 @@ import numpy as np
 
 from autotune.offline.gen_costmodel import GenCostModel
 from autotune.offline.sim_loop import FIRST_EVENT, LoopConfig, SimLoop
-from engine.config import Knobs, kv_cap, kv_token_slots
+from engine.config import kv_cap, kv_token_slots
 from engine.gen_admission import admit, chunk_end, preemptions, prefills_in_chunks
 from engine.scheduler import Scheduler
 from monitors.observation import Latency, Observation, WorkerObservation
@@ -108,13 +108,14 @@ class GenWorker:
         return _Step(prefill_tokens, rows, columns, emitted)
 
     def _prefill(self, max_running: int, chunk: int | None, kv: int | None) -> tuple[list, int]:
-        """(sequences whose prefill completes this step, prompt tokens computed, padding included)."""
+        """(sequences whose prefill completes this step, prompt tokens computed: the runner's ragged
+        call runs each prompt at its own length, no padding)."""
         if self.partial is None:
             columns = max((s.cached for s in self.rows), default=0)
             count = admit([s.context for s in self.waiting], len(self.rows), columns, max_running, kv, chunk)
             admitted = [self.waiting.popleft() for _ in range(count)]
             if not prefills_in_chunks([s.context for s in admitted], chunk):
-                return admitted, len(admitted) * max((s.context for s in admitted), default=0)
+                return admitted, sum(s.context for s in admitted)
             self.partial = [admitted[0], 0]
         seq, done = self.partial
         end = chunk_end(done, seq.context, chunk)

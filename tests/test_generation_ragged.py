@@ -1,0 +1,88 @@
+"""One model call per step (engine/ragged.py): the running rows' decode, whole prompts and a chunk
+of a long one go through the model together, each part attending over its own cache, and no
+stream changes a token for it; a model whose attention is not sdpa keeps one call per part."""
+
+from __future__ import annotations
+
+import torch
+from test_generation import EOS, PROMPTS, drain, gpt2, greedy, llama, model, reference, tokens  # noqa: F401  (fixtures)
+from transformers import AutoModelForCausalLM
+
+from engine import ragged
+from engine.generation import GenerationRunner, SequenceRequest
+
+MAX_TOKENS = 16
+LONG = tuple(range(100, 140))
+ALL = {**PROMPTS, 99: LONG}
+
+
+def _schedule():
+    """Sequences that arrive while others decode: short prompts that join whole, and a long one
+    (40 tokens) that a chunk of 8 spreads over five steps."""
+    requests = [SequenceRequest(i, p, greedy(MAX_TOKENS)) for i, p in PROMPTS.items()]
+    long = SequenceRequest(99, LONG, greedy(MAX_TOKENS))
+    return {0: requests[:2], 3: [long], 4: requests[2:4], 9: requests[4:]}
+
+
+def _count_calls(model):
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls, handle
+
+
+def _run(model, chunk=8):
+    runner = GenerationRunner(model, [EOS], max_running=8, prefill_chunk=chunk)
+    calls, handle = _count_calls(model)
+    per_step, mixed, made = [], [], {}
+
+    def check(step, r, outs):
+        per_step.append(len(calls))
+        calls.clear()
+        firsts = [o for o in outs if o.seq_id not in made]
+        made.update((o.seq_id, True) for o in outs)
+        # a step that decoded running rows and prefilled: a first token, or a chunk that was not the last
+        mixed.append(len(outs) > len(firsts) and (bool(firsts) or r.prefilling))
+
+    try:
+        got = drain(runner, _schedule(), check=check)
+    finally:
+        handle.remove()
+    return runner, got, per_step, mixed
+
+
+def test_a_step_that_decodes_and_prefills_is_one_model_call_with_the_same_tokens(model):
+    runner, got, per_step, mixed = _run(model)
+    assert runner._fused
+    assert set(per_step) == {1}, per_step  # never a second call, however many parts a step has
+    assert sum(mixed) >= 3  # steps that prefilled beside running rows, the long prompt's chunks included
+    for seq_id, prompt in ALL.items():
+        assert tokens(got[seq_id]) == reference(model, prompt, MAX_TOKENS), seq_id
+
+
+def test_a_model_on_eager_attention_keeps_one_call_per_part_and_the_same_tokens(gpt2, tmp_path):
+    gpt2.save_pretrained(tmp_path)
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert not ragged.enable(eager) and eager.config._attn_implementation == "eager"
+    runner, got, per_step, _ = _run(eager)
+    assert not runner._fused and max(per_step) >= 2  # a decode and a prefill: two calls
+    for seq_id, prompt in ALL.items():
+        assert tokens(got[seq_id]) == reference(eager, prompt, MAX_TOKENS), seq_id
+
+
+def test_a_switched_model_answers_plain_calls_as_sdpa_did(llama):
+    """Other users of the model (a padded `generate`, the profiler) see transformers' sdpa."""
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    llama.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        before = llama(input_ids=ids, attention_mask=mask).logits
+        assert ragged.enable(llama)
+        after = llama(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(before, after)
+
+
+def test_a_chunk_attends_over_its_earlier_chunks_and_itself_only():
+    mask = ragged.causal_after(past=3, queries=2, device="cpu")
+    assert mask.shape == (1, 1, 2, 5)
+    assert mask[0, 0].tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    assert ragged.causal_after(past=0, queries=4, device="cpu") is None  # plain causal
