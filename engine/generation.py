@@ -7,8 +7,9 @@ are running, and it lets sequences join and leave that batch at step boundaries
 
 Layout of the running batch (why it looks like this):
 
-* The cache is a transformers `DynamicCache` of full-attention layers whose key/value
-  tensors have shape ``[rows, heads, columns, head_dim]``. Rows are running sequences.
+* The cache is a transformers `DynamicCache` of full-attention layers whose key/value tensors
+  have shape ``[rows, heads, columns, head_dim]`` (engine/kv_cache.py: a step's column is written
+  in place, not concatenated). Rows are running sequences.
   Sequences have different lengths, so shorter rows are padded **on the left**: the newest
   token of every row then sits in the last column, a decode step appends exactly one column
   for all rows, and the model's causal mask stays valid.
@@ -44,9 +45,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from engine import ragged
+from engine.kv_cache import KVCache
 from engine.gen_admission import KV_RESERVE, admit, chunk_end, preemptions, prefills_in_chunks
 from engine.logits import adjust_row, logprobs_of, sample_tokens
 from engine.sampling import SamplingParams, TokenLogprobs
@@ -133,7 +134,7 @@ class _Prefill:
     __slots__ = ("seq", "cache", "done")
 
     def __init__(self, seq: _Sequence):
-        self.seq, self.cache, self.done = seq, DynamicCache(), 0
+        self.seq, self.cache, self.done = seq, KVCache(), 0
 
 
 class GenerationRunner:
@@ -171,7 +172,7 @@ class GenerationRunner:
 
         self._waiting: OrderedDict[int, _Sequence] = OrderedDict()
         self._rows: list[_Sequence] = []  # running sequences, in cache row order
-        self._cache: DynamicCache | None = None
+        self._cache: KVCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, columns] long, 1 = real token
         self._partial: _Prefill | None = None  # a long prompt part-way through its chunked prefill
 
@@ -411,7 +412,7 @@ def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(x, (0, 0, missing, 0)) if missing else x
 
 
-def _select_rows(cache: DynamicCache, mask: torch.Tensor, keep: list[int]):
+def _select_rows(cache: KVCache, mask: torch.Tensor, keep: list[int]):
     """Keep `keep` rows of cache and mask, then trim leading columns that are padding in all."""
     index = torch.tensor(keep, dtype=torch.long, device=mask.device)
     mask = mask.index_select(0, index)
