@@ -14,7 +14,7 @@ import pytest
 from autotune.bench import gen_inputs, stream_loadgen
 from autotune.bench.gen_capacity import judge_generation
 from autotune.bench.gen_report import generation_table, generation_verdicts
-from autotune.bench.modes import mode
+from autotune.bench.modes import SHIPPED, generation_candidates, mode
 from autotune.bench.runner import ModeResult
 from autotune.bench.server import ServerProcess
 from autotune.bench.stream_loadgen import StreamResult
@@ -88,6 +88,13 @@ def test_generation_modes_ask_the_server_to_generate():
     config = mode("multiprocess", 2).server_config("builtin:smollm2", task="generate")
     assert config["model"] == {"name": "builtin:smollm2", "task": "generate"}
     assert mode("multiprocess", 2).server_config("builtin:minilm")["model"]["task"] == "embed"
+
+
+def test_the_generation_oracle_tries_both_layouts_batches_and_a_small_prefill_chunk():
+    grid = generation_candidates(2, quick=True)
+    assert {(k.process_count, k.threads_per_process) for k in grid} == {(2, 1), (1, 2)}
+    assert {k.max_batch_tokens for k in grid} == {32, SHIPPED.max_batch_tokens}  # the chunk is what keeps ITL
+    assert len(grid) == 2 * 2 * 2 and all(k.process_count * k.threads_per_process == 2 for k in grid)
 
 
 def test_streaming_load_generator_against_a_real_generating_server(tmp_path, tiny_causal_lm):
