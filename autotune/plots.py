@@ -7,11 +7,14 @@ import numpy as np
 from engine.config import Knobs
 
 
-def timeline(arrival: np.ndarray, done: np.ndarray, ok: np.ndarray, knob_changes: list[tuple[float, Knobs]], slo: float, path: str, xlabel: str = "seconds", bins: int = 300, end: float | None = None) -> None:
+def timeline(arrival: np.ndarray, done: np.ndarray, ok: np.ndarray, knob_changes: list[tuple[float, Knobs]], slo: float, path: str,
+             xlabel: str = "seconds", bins: int = 300, end: float | None = None, task: str = "embed") -> None:
     """Latency percentiles and load over time, with the knobs beneath (one PNG).
 
     `arrival` and `done` are per-request times (done is ignored where `ok` is False);
-    `knob_changes` is [(time, knobs)] starting with the knobs at time 0.
+    `knob_changes` is [(time, knobs)] starting with the knobs at time 0. For `task` "generate",
+    `done` is the first token's time, and the batching knobs drawn are running sequences and
+    prompt tokens per step (the batch timeout does not apply to decode steps).
     """
     import matplotlib
 
@@ -42,7 +45,7 @@ def timeline(arrival: np.ndarray, done: np.ndarray, ok: np.ndarray, knob_changes
     ax.plot(mids, p99, lw=0.8, label="p99")
     ax.axhline(slo, color="k", ls="--", lw=0.8, label="SLO")
     ax.set_yscale("log")
-    ax.set_ylabel("latency (s)")
+    ax.set_ylabel("time to first token (s)" if task == "generate" else "latency (s)")
     ax.legend(fontsize=8, loc="upper right")
     axes[1].plot(mids, arrivals, lw=0.8, label="arrivals/s")
     axes[1].plot(mids, completions, lw=0.8, label="completions/s")
@@ -53,10 +56,14 @@ def timeline(arrival: np.ndarray, done: np.ndarray, ok: np.ndarray, knob_changes
     axes[2].set_ylabel("workers")
     axes[2].legend(fontsize=8, loc="upper right")
     axes[3].step(times, [k.max_batch_size for k in knobs], where="post", label="max_batch_size")
-    axes[3].set_ylabel("max batch")
+    axes[3].set_ylabel("running seqs" if task == "generate" else "max batch")
     twin = axes[3].twinx()
-    twin.step(times, [k.batch_timeout * 1000 for k in knobs], where="post", color="C1", label="batch_timeout (ms)")
-    twin.set_ylabel("timeout ms")
+    if task == "generate":
+        twin.step(times, [k.max_batch_tokens for k in knobs], where="post", color="C1", label="max_batch_tokens")
+        twin.set_ylabel("prompt tokens / step")
+    else:
+        twin.step(times, [k.batch_timeout * 1000 for k in knobs], where="post", color="C1", label="batch_timeout (ms)")
+        twin.set_ylabel("timeout ms")
     axes[3].legend(fontsize=8, loc="upper left")
     twin.legend(fontsize=8, loc="upper right")
     axes[3].set_xlabel(xlabel)

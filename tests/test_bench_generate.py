@@ -183,3 +183,22 @@ def test_bench_generate_quick_end_to_end(tmp_path, tiny_causal_lm):
     assert summary["limit"]["tokens_per_second"] > 0 and summary["requests"]["max_output_tokens"] == 12
     assert {"bench.md", "bench.json", "generation-curves.png", "requests.csv"} <= {p.name for p in out.iterdir()}
     assert "| multiprocess |" in done.stdout and "| limit |" in done.stdout
+
+
+def test_a_generation_timeline_draws_the_prefill_chunk_knob(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from autotune.plots import timeline
+
+    drawn, step = {}, matplotlib.axes.Axes.step
+
+    def recording_step(self, x, y, *args, **kwargs):
+        drawn[kwargs.get("label")] = list(y)
+        return step(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "step", recording_step)
+    arrival = np.arange(10.0)
+    changes = [(0.0, SHIPPED), (4.0, SHIPPED.replace(max_batch_tokens=64)), (6.0, SHIPPED.replace(max_batch_tokens=32))]
+    timeline(arrival, arrival + 1.0, np.ones(10, bool), changes, 2.0, str(tmp_path / "t.png"), task="generate")
+    assert drawn["max_batch_tokens"] == [SHIPPED.max_batch_tokens, 64, 32, 32] and "batch_timeout (ms)" not in drawn
+    assert (tmp_path / "t.png").stat().st_size > 1000

@@ -222,5 +222,5 @@ def _write_outputs(out: str, summary: dict, table: str, results: list[ModeResult
     for r in results:
         if r.mode.startswith("autotuned"):
             name = r.mode.replace(":", "-").replace(",", "_").replace("=", "")
-            report.plot_mode_timeline(r, logs[r.mode], plan.ttft_slo, os.path.join(out, f"timeline-{name}.png"))
+            report.plot_mode_timeline(r, logs[r.mode], plan.ttft_slo, os.path.join(out, f"timeline-{name}.png"), task="generate")
             report.write_mode_report(r, logs[r.mode], plan.ttft_slo, summary["model"], os.path.join(out, f"report-{name}.html"), task="generate")

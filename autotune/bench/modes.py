@@ -109,7 +109,8 @@ def mode(name: str, cores: int) -> Mode:
 
 
 def describe(k: Knobs) -> str:
-    return f"{k.process_count} × {k.threads_per_process}, batch {k.max_batch_size}, timeout {k.batch_timeout * 1000:g} ms, io {k.io_threads}"
+    chunk = "" if k.max_batch_tokens == SHIPPED.max_batch_tokens else f", {k.max_batch_tokens} prompt tokens/step"
+    return f"{k.process_count} × {k.threads_per_process}, batch {k.max_batch_size}, timeout {k.batch_timeout * 1000:g} ms, io {k.io_threads}{chunk}"
 
 
 def oracle_candidates(cores: int, quick: bool) -> list[Knobs]:

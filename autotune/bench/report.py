@@ -139,14 +139,14 @@ def _requests(log: RunLog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.array([o for _, _, o in log.requests], dtype=bool))
 
 
-def plot_mode_timeline(result: ModeResult, log: RunLog, slo: float, path: str) -> None:
-    """One mode's latency and knobs over its whole run."""
+def plot_mode_timeline(result: ModeResult, log: RunLog, slo: float, path: str, task: str = "embed") -> None:
+    """One mode's latency (generation: time to first token) and knobs over its whole run."""
     from autotune.plots import timeline
 
     if not log.requests or not result.timeline:
         return
     arrival, done, ok = _requests(log)
-    timeline(arrival, done, ok, knob_changes(result.timeline), slo, path, "seconds since the first request", bins=200)
+    timeline(arrival, done, ok, knob_changes(result.timeline), slo, path, "seconds since the first request", bins=200, task=task)
 
 
 def write_mode_report(result: ModeResult, log: RunLog, slo: float, model: str, path: str, task: str = "embed") -> None:
