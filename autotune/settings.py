@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from autotune import shipped
 from engine import packing
-from engine.config import Bounds, EngineConfig, Knobs
+from engine.config import Bounds, EngineConfig, Knobs, auto_batch_tokens
 from engine.http.state import ServerLimits
 
 DEFAULT_CONFIG = shipped.builtin(shipped.CONFIG, "default")
@@ -74,7 +74,7 @@ class ConcurrencySection(Section):
     io_threads: Annotated[int, Field(ge=0, le=256)] = 2
     batch_timeout: Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)] = 0.005
     max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 16
-    max_batch_tokens: Annotated[int, Field(ge=0, le=1_048_576)] = 256
+    max_batch_tokens: Union[Annotated[int, Field(ge=0, le=1_048_576)], Literal["auto"]] = "auto"
     kv_tokens: Annotated[int, Field(ge=0, le=1 << 30)] = 0
 
 
@@ -233,7 +233,10 @@ class ServerConfig(Section):
         if count == "auto":
             count = max(1, len(os.sched_getaffinity(0)) // c.threads_per_process)
             count = min(count, self.bounds_obj().process_count[1])
-        return Knobs(count, c.threads_per_process, c.io_threads, c.batch_timeout, c.max_batch_size, c.max_batch_tokens, c.kv_tokens)
+        tokens = c.max_batch_tokens
+        if tokens == "auto":  # device auto is sized as a CPU; `device: cuda` (or the knob itself) for a GPU
+            tokens = auto_batch_tokens(self.model.device, c.threads_per_process)
+        return Knobs(count, c.threads_per_process, c.io_threads, c.batch_timeout, c.max_batch_size, tokens, c.kv_tokens)
 
     def engine_config(self) -> EngineConfig:
         m = self.model

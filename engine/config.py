@@ -38,6 +38,21 @@ class KnobError(ValueError):
     """A knob value outside its bounds; the message names the knob and what is allowed."""
 
 
+CPU_BATCH_TOKENS_PER_THREAD = 32
+"""`max_batch_tokens: auto` on a CPU, per worker thread: prefill is compute-bound, and 32 prompt
+tokens per thread keep a step that also decodes within a 250-ms inter-token objective for a
+small model in fp32 (docs/BENCHMARKS.md, "One model call per step")."""
+CUDA_BATCH_TOKENS = 2048
+"""`max_batch_tokens: auto` on CUDA: a GPU step costs about the same for a few or thousands of tokens."""
+
+
+def auto_batch_tokens(device: str, threads_per_process: int) -> int:
+    """What `max_batch_tokens: auto` starts at: a step's prompt-token budget for this device."""
+    if device.startswith("cuda"):
+        return CUDA_BATCH_TOKENS
+    return CPU_BATCH_TOKENS_PER_THREAD * max(1, threads_per_process)
+
+
 @dataclass(frozen=True, slots=True)
 class Knobs:
     """Concurrency settings that can change while the engine serves."""
@@ -53,10 +68,10 @@ class Knobs:
     """Seconds the batcher waits for a batch to fill before it sends what it has."""
     max_batch_size: int = 16
     """Items (embedding inputs) per batch, or running sequences per worker (generation)."""
-    max_batch_tokens: int = 256
+    max_batch_tokens: int = 32
     """Generation: most prompt tokens one decode step prefills (the step's token budget); a
     longer prompt is prefilled in chunks while the running sequences keep decoding (0: whole
-    prompts at once)."""
+    prompts at once). The config file's default is `auto_batch_tokens`."""
     kv_tokens: int = 0
     """Generation: token slots each worker's KV cache may hold, at most what model.kv_cache_mib
     holds (0: all of that). Lowered live, the youngest rows are preempted and recomputed."""

@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import ragged
-from engine.kv_cache import KVCache
 from engine.gen_admission import KV_RESERVE, admit, chunk_end, preemptions, prefills_in_chunks
+from engine.kv_cache import KVCache
 from engine.logits import adjust_row, logprobs_of, sample_tokens
 from engine.sampling import SamplingParams, TokenLogprobs
 

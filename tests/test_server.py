@@ -247,6 +247,7 @@ def test_admin_is_off_without_a_token_and_sigterm_drains_in_flight_work(tmp_path
         ("concurrency:\n  process_count: 40\n", "outside the allowed range"),
         ("- just\n- a list\n", "top level must be a mapping"),
         ("concurrency:\n  max_batch_tokens: -1\n", "concurrency.max_batch_tokens"),
+        ("concurrency:\n  max_batch_tokens: lots\n", "concurrency.max_batch_tokens"),
         ("concurrency:\n  kv_tokens: 64\nbounds:\n  kv_tokens: {min: 128, max: 512}\n", "kv_tokens=64 is outside the allowed range [128, 512]"),
         ("bounds:\n  max_batch_tokens: {min: 64, max: 8}\n", "bounds.max_batch_tokens"),
         ("model:\n  prefill_chunk_tokens: 64\n", "prefill_chunk_tokens moved to concurrency.max_batch_tokens"),
@@ -258,6 +259,19 @@ def test_bad_config_names_the_file_and_the_key(tmp_path, text, problem):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert str(path) in str(info.value) and problem in str(info.value)
+
+
+@pytest.mark.parametrize("text,tokens", [
+    ("", 32),  # auto, one thread per worker on a CPU
+    ("concurrency:\n  threads_per_process: 2\n", 64),
+    ("model:\n  device: cuda\n", 2048),
+    ("concurrency:\n  max_batch_tokens: 100\n", 100),
+    ("concurrency:\n  max_batch_tokens: 0\n", 0),
+])
+def test_the_prefill_token_budget_starts_from_the_device_and_the_threads(tmp_path, text, tokens):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert load_config(path).engine_config().knobs.max_batch_tokens == tokens
 
 
 def test_bad_config_stops_the_server_from_starting(tmp_path):

@@ -131,11 +131,11 @@ def oracle_candidates(cores: int, quick: bool) -> list[Knobs]:
 def generation_candidates(cores: int, quick: bool) -> list[Knobs]:
     """The oracle's static grid for generation: the two layouts that fill the cores × running
     sequences per worker (max_batch_size; the batch timeout does not apply to decode steps) ×
-    prompt tokens per step (max_batch_tokens: a small chunk keeps ITL, the shipped one TTFT)."""
+    prompt tokens per step (max_batch_tokens: a small chunk keeps ITL, a large one TTFT)."""
     n = max(1, cores)
     layouts = {(n, 1, 0), (1, n, 2)}
     batches = (8, 32) if quick else (8, 16, 32, 64)
-    chunks = sorted({32, SHIPPED.max_batch_tokens})
+    chunks = (32, 256)
     return [SHIPPED.replace(process_count=p, threads_per_process=t, io_threads=io, max_batch_size=b, max_batch_tokens=c)
             for p, t, io in sorted(layouts) for b in batches for c in chunks]
 
