@@ -51,22 +51,28 @@ def timeline(arrival: np.ndarray, done: np.ndarray, ok: np.ndarray, knob_changes
     axes[1].plot(mids, completions, lw=0.8, label="completions/s")
     axes[1].set_ylabel("req/s")
     axes[1].legend(fontsize=8, loc="upper right")
-    axes[2].step(times, [k.process_count for k in knobs], where="post", label="process_count")
-    axes[2].step(times, [k.threads_per_process for k in knobs], where="post", label="threads_per_process")
-    axes[2].set_ylabel("workers")
-    axes[2].legend(fontsize=8, loc="upper right")
-    axes[3].step(times, [k.max_batch_size for k in knobs], where="post", label="max_batch_size")
-    axes[3].set_ylabel("running seqs" if task == "generate" else "max batch")
-    twin = axes[3].twinx()
+    _knob_panels(axes[2], axes[3], times, knobs, task)
+    axes[3].set_xlabel(xlabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _knob_panels(workers, batching, times: list[float], knobs: list[Knobs], task: str) -> None:
+    """The layout, then the batching knobs: for generation running sequences and prompt tokens
+    per step, else batch size and timeout."""
+    workers.step(times, [k.process_count for k in knobs], where="post", label="process_count")
+    workers.step(times, [k.threads_per_process for k in knobs], where="post", label="threads_per_process")
+    workers.set_ylabel("workers")
+    workers.legend(fontsize=8, loc="upper right")
+    batching.step(times, [k.max_batch_size for k in knobs], where="post", label="max_batch_size")
+    batching.set_ylabel("running seqs" if task == "generate" else "max batch")
+    twin = batching.twinx()
     if task == "generate":
         twin.step(times, [k.max_batch_tokens for k in knobs], where="post", color="C1", label="max_batch_tokens")
         twin.set_ylabel("prompt tokens / step")
     else:
         twin.step(times, [k.batch_timeout * 1000 for k in knobs], where="post", color="C1", label="batch_timeout (ms)")
         twin.set_ylabel("timeout ms")
-    axes[3].legend(fontsize=8, loc="upper left")
+    batching.legend(fontsize=8, loc="upper left")
     twin.legend(fontsize=8, loc="upper right")
-    axes[3].set_xlabel(xlabel)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
