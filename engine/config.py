@@ -71,7 +71,7 @@ class Knobs:
     max_batch_tokens: int = 32
     """Generation: most prompt tokens one decode step prefills (the step's token budget); a
     longer prompt is prefilled in chunks while the running sequences keep decoding (0: whole
-    prompts at once). The config file's default is `auto_batch_tokens`."""
+    prompts at once). The config file's default, `auto`, starts it at `auto_batch_tokens`."""
     kv_tokens: int = 0
     """Generation: token slots each worker's KV cache may hold, at most what model.kv_cache_mib
     holds (0: all of that). Lowered live, the youngest rows are preempted and recomputed."""

@@ -2,12 +2,12 @@
 keys and values in place, into columns kept spare on the right, instead of concatenating.
 
 transformers' `DynamicLayer` concatenates on every update, which copies the whole cache, every
-row, once per layer per decode step; with a dozen rows a few hundred tokens long that copy took
-about a third of a CPU decode step. Here a layer's `keys` and `values` are still what transformers
-and the runner read, the used columns `[rows, heads, columns, head_dim]`, but as views of a buffer
-`SPARE_COLUMNS` wider; a step writes its column into the buffer. Whatever replaces `keys` or
-`values` (the runner trims, selects and merges rows, each a copy already) is moved into a new
-buffer at its next update.
+row, once per layer per decode step; with a dozen rows a few hundred tokens long that copy is a
+large share of a CPU decode step (docs/BENCHMARKS.md, "One model call per step"). Here a layer's
+`keys` and `values` are still what transformers and the runner read, the used columns
+`[rows, heads, columns, head_dim]`, but as views of a buffer `SPARE_COLUMNS` wider; a step writes
+its column into the buffer. Whatever replaces `keys` or `values` (the runner trims, selects and
+merges rows, each a copy already) is moved into a new buffer at its next update.
 """
 
 from __future__ import annotations
