@@ -16,6 +16,18 @@ from collections.abc import Sequence
 
 KV_RESERVE = 16
 """Token slots per row an admission leaves free for the decode steps that follow it."""
+IDLE_PREFILL_TOKENS = 2048
+"""A step's prompt-token budget while no row decodes (unless the knob is larger): no stream's next
+token waits on that step, and every chunk would read the weights again; capped so that one
+step's attention stays small."""
+
+
+def step_budget(chunk: int | None, running: int) -> int | None:
+    """Prompt tokens this step may prefill: the chunk knob while `running` rows decode beside the
+    prefill; while none do, at least IDLE_PREFILL_TOKENS (no knob, whole prompts, stays so)."""
+    if running or not chunk:
+        return chunk
+    return max(chunk, IDLE_PREFILL_TOKENS)
 
 
 def admit(waiting: Sequence[int], rows: int, columns: int, max_running: int, kv_tokens: int | None, chunk: int | None) -> int:

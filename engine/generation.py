@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import ragged
-from engine.gen_admission import KV_RESERVE, admit, chunk_end, preemptions, prefills_in_chunks
+from engine.gen_admission import KV_RESERVE, admit, chunk_end, preemptions, prefills_in_chunks, step_budget
 from engine.kv_cache import KVCache
 from engine.logits import adjust_row, logprobs_of, sample_tokens
 from engine.sampling import SamplingParams, TokenLogprobs
@@ -252,8 +252,9 @@ class GenerationRunner:
         sequence's first token comes from its prefill, so it is not decoded again this step.
         Finished sequences are retired before returning.
         """
-        prefills = self._prefills()
-        ends = [chunk_end(p.done, len(p.seq.context_ids), self.prefill_chunk) for p in prefills]
+        budget = step_budget(self.prefill_chunk, len(self._rows))
+        prefills = self._prefills(budget)
+        ends = [chunk_end(p.done, len(p.seq.context_ids), budget) for p in prefills]
         self._preempt_to_fit(prefills, ends)
         if self._rows:
             self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
@@ -287,7 +288,7 @@ class GenerationRunner:
         gen.manual_seed(seed)
         return gen
 
-    def _prefills(self) -> list[_Prefill]:
+    def _prefills(self, budget: int | None) -> list[_Prefill]:
         """What this step prefills: the next chunk of the partial prompt, or the sequences
         engine.gen_admission lets join (FIFO, the KV cap with its reserve, the step's prefill
         budget), of which a lone long one goes on in chunks."""
@@ -295,9 +296,9 @@ class GenerationRunner:
             return [self._partial]
         columns = 0 if self._mask is None else self._mask.shape[1]
         lengths = [len(s.context_ids) for s in self._waiting.values()]
-        count = admit(lengths, len(self._rows), columns, self._max_running, self.kv_tokens, self.prefill_chunk)
+        count = admit(lengths, len(self._rows), columns, self._max_running, self.kv_tokens, budget)
         admitted = [_Prefill(self._waiting.popitem(last=False)[1]) for _ in range(count)]
-        if prefills_in_chunks([len(p.seq.context_ids) for p in admitted], self.prefill_chunk):
+        if prefills_in_chunks([len(p.seq.context_ids) for p in admitted], budget):
             self._partial = admitted[0]
         return admitted
 

@@ -33,3 +33,11 @@ def test_preemption_drops_the_youngest_until_the_next_decode_fits():
 
 def test_a_chunk_ends_at_the_budget_or_the_prompt():
     assert chunk_end(0, 100, 32) == 32 and chunk_end(96, 100, 32) == 100 and chunk_end(32, 100, None) == 100
+
+
+def test_the_step_budget_binds_only_while_rows_decode_beside_the_prefill():
+    from engine.gen_admission import IDLE_PREFILL_TOKENS, step_budget
+
+    assert step_budget(32, running=3) == 32
+    assert step_budget(32, running=0) == IDLE_PREFILL_TOKENS  # nobody's next token waits on this step
+    assert step_budget(4096, running=0) == 4096 and step_budget(None, running=0) is None and step_budget(0, running=2) == 0

@@ -58,13 +58,15 @@ def test_a_cap_below_one_sequence_runs_it_alone_instead_of_failing(gpt2):
 
 def test_the_prefill_chunk_changes_mid_prompt(gpt2):
     runner = GenerationRunner(gpt2, [EOS], max_running=4, prefill_chunk=4)
+    runner.add(SequenceRequest(0, (5, 6), greedy(40)))
+    runner.step()  # 0 decodes from now on, so the budget binds
     prompt = tuple(range(100, 140))
     runner.add(SequenceRequest(1, prompt, greedy(6)))
-    assert runner.step() == [] and runner.step() == []  # two chunks of 4 of 40
+    assert [o.seq_id for o in runner.step() + runner.step()] == [0, 0]  # two chunks of 4 of 40
     runner.prefill_chunk = None  # whole prompts now: the rest goes in one step
-    (first,) = runner.step()
-    got = [first] + drain(runner)[1]
-    assert tokens(got) == reference(gpt2, prompt, 6)
+    first = [o for o in runner.step() if o.seq_id == 1]
+    got = first + drain(runner)[1]
+    assert len(first) == 1 and tokens(got) == reference(gpt2, prompt, 6)
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,15 @@ def test_a_small_cache_preempts_and_recomputes_without_changing_a_token(model):
 @pytest.mark.parametrize("cap", [None, 64])
 def test_chunked_prefill_gives_the_same_tokens(model, cap):
     runner = GenerationRunner(model, [EOS], max_running=6, kv_tokens=cap, prefill_chunk=4)
-    got = drain(runner, {0: [SequenceRequest(i, p, greedy(MAX_TOKENS)) for i, p in PROMPTS.items()]},
-                check=lambda step, r, outs: cap is None or r.kv_tokens_used <= cap)
+    requests = [SequenceRequest(i, p, greedy(MAX_TOKENS)) for i, p in PROMPTS.items()]
+    chunked = []  # the first decodes from step 1, so the others are prefilled 4 tokens a step beside it
+
+    def check(step, r, outs):
+        chunked.append(r.prefilling)
+        assert cap is None or r.kv_tokens_used <= cap
+
+    got = drain(runner, {0: requests[:1], 1: requests[1:]}, check=check)
+    assert cap is not None or any(chunked)  # (with the cap, admissions wait for room instead)
     for seq_id, prompt in PROMPTS.items():
         assert tokens(got[seq_id]) == reference(model, prompt, MAX_TOKENS), seq_id
 
@@ -56,6 +63,14 @@ def test_a_long_prompt_does_not_stall_the_running_decodes(gpt2, chunk):
         if 2 in produced:
             break
     assert steps == (1 if chunk is None else 40 // chunk)  # chunked: one step per 4 prompt tokens
+
+
+def test_a_long_prompt_with_nothing_decoding_is_prefilled_in_one_step(gpt2):
+    runner = GenerationRunner(gpt2, [EOS], max_running=4, prefill_chunk=4)
+    runner.add(SequenceRequest(2, tuple(range(100, 140)), greedy(4)))
+    assert [o.seq_id for o in runner.step()] == [2] and not runner.prefilling  # 40 tokens, chunk 4: one step
+    runner.add(SequenceRequest(3, tuple(range(100, 140)), greedy(4)))
+    assert [o.seq_id for o in runner.step()] == [2] and runner.prefilling  # 2 decodes now: 3 goes in chunks
 
 
 def test_without_a_cap_nothing_is_preempted(gpt2):

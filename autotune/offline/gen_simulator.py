@@ -22,7 +22,7 @@ import numpy as np
 from autotune.offline.gen_costmodel import GenCostModel
 from autotune.offline.sim_loop import FIRST_EVENT, LoopConfig, SimLoop
 from engine.config import kv_cap, kv_token_slots
-from engine.gen_admission import admit, chunk_end, preemptions, prefills_in_chunks
+from engine.gen_admission import admit, chunk_end, preemptions, prefills_in_chunks, step_budget
 from engine.scheduler import Scheduler
 from monitors.observation import Latency, Observation, WorkerObservation
 from monitors.sampler import LoadWindow
@@ -110,6 +110,7 @@ class GenWorker:
     def _prefill(self, max_running: int, chunk: int | None, kv: int | None) -> tuple[list, int]:
         """(sequences whose prefill completes this step, prompt tokens computed: the runner's ragged
         call runs each prompt at its own length, no padding)."""
+        chunk = step_budget(chunk, len(self.rows))  # as the runner: no budget to keep while nothing decodes
         if self.partial is None:
             columns = max((s.cached for s in self.rows), default=0)
             count = admit([s.context for s in self.waiting], len(self.rows), columns, max_running, kv, chunk)
