@@ -338,16 +338,18 @@ class GenerationRunner:
         (engine/ragged.py), else one call per part. Returns the running rows' logits and each
         prefill's last-token logits."""
         rows, device = len(self._rows), self._device
+        fused = self._fused and bool(rows) + len(prefills) > 1
+        # The parts' own masks serve only a ragged call; a plain call builds its mask from the 2-D one.
         parts, ids, positions = [], [], []
         if rows:
             ids.append(torch.tensor([s.last_token for s in self._rows], dtype=torch.long, device=device))
             positions.append(torch.tensor([s.next_position for s in self._rows], dtype=torch.long, device=device))
-            parts.append(ragged.Part(self._cache, rows, True, self._mask[:, None, None, :].bool()))
+            parts.append(ragged.Part(self._cache, rows, True, self._mask[:, None, None, :].bool() if fused else None))
         for p, end in zip(prefills, ends):
             ids.append(torch.tensor(p.seq.context_ids[p.done:end], dtype=torch.long, device=device))
             positions.append(torch.arange(p.done, end, dtype=torch.long, device=device))
-            parts.append(ragged.Part(p.cache, end - p.done, False, ragged.causal_after(p.done, end - p.done, device)))
-        if self._fused and len(parts) > 1:
+            parts.append(ragged.Part(p.cache, end - p.done, False, ragged.causal_after(p.done, end - p.done, device) if fused else None))
+        if fused:
             last = torch.tensor([part.tokens for part in parts]).cumsum(0) - 1
             keep = torch.cat([torch.arange(rows), last[1:]]) if rows else last
             logits = ragged.forward(self._model, self._cache_kwarg, torch.cat(ids)[None], torch.cat(positions)[None], parts, keep.to(device))
