@@ -164,7 +164,8 @@ def run_bench(*args, timeout=300):
 def test_bench_generate_rejects_bad_flags():
     for flags, why in ((("--ttft-slo", "0"),), "--ttft-slo: 0.0 must be a positive number"), \
                       ((("--max-output-tokens", "-3"),), "--max-output-tokens: -3 must be a positive number"), \
-                      ((("--workload", "poisson:rate=1,duration=5"),), "--workload is not supported with --task generate"), \
+                      ((("--workload", "wobble:rate=1,duration=5"),), "workload kind 'wobble'"), \
+                      ((("--workload", "poisson:rate=1,duration=0"),), "makes no arrivals"), \
                       ((("--trace", "nowhere.csv"),), "--trace: 'nowhere.csv' not found"), \
                       ((("--modes", "multiprocess,turbo"),), "unknown mode 'turbo'"):
         done = run_bench(*flags[0], timeout=60)
@@ -183,6 +184,34 @@ def test_bench_generate_quick_end_to_end(tmp_path, tiny_causal_lm):
     assert summary["limit"]["tokens_per_second"] > 0 and summary["requests"]["max_output_tokens"] == 12
     assert {"bench.md", "bench.json", "generation-curves.png", "requests.csv"} <= {p.name for p in out.iterdir()}
     assert "| multiprocess |" in done.stdout and "| limit |" in done.stdout
+
+
+def test_bench_generate_replays_a_workload_against_each_mode_and_the_grid(tmp_path, tiny_causal_lm):
+    from autotune.bench.workloads import from_spec
+
+    spec = "onoff:on_rate=3,off_rate=0.5,on_seconds=2,off_seconds=2,duration=6"
+    out = tmp_path / "out"
+    done = run_bench("--quick", "--modes", "autotuned,multiprocess,oracle", "--grid", "process_count=1;max_batch_size=4", "--workload", spec,
+                     "--no-generator-check", "--model", tiny_causal_lm, "--json", "--max-output-tokens", "12", "--out", str(out), timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    names = [m["mode"] for m in summary["modes"]]
+    # the oracle is the grid's one static, replaying the same arrivals as the others
+    assert names == ["autotuned", "multiprocess", "static:process_count=1,threads_per_process=1,io_threads=2,max_batch_size=4,max_batch_tokens=32"]
+    assert summary["workload"] == spec and summary["limit"] is None and summary["generator_check"] is None
+    arrivals = len(from_spec(spec))
+    for m in summary["modes"]:
+        w = m["workload"]
+        assert w["judged"] == arrivals and w["failed"] == 0 and 0 < w["goodput"] <= w["offered"] and w["output_tokens_per_s"] > 0
+        assert m["max_qps"] == 0 and not m["steps"]  # no ladder ran
+    assert summary["modes"][1]["final_knobs"]["process_count"] == 2 and summary["modes"][2]["final_knobs"]["max_batch_size"] == 4
+    verdicts = summary["verdicts"]
+    assert verdicts[0].startswith("best static (1 runs): static:process_count=1") and "of the best static; multiprocess" in verdicts[1]
+    files = {p.name for p in out.iterdir()}
+    assert {"bench.md", "bench.json", "requests.csv", "timeline-autotuned.png", "timeline-multiprocess.png"} <= files
+    assert "generation-curves.png" not in files and "| multiprocess |" in done.stdout and f"workload {spec}" in (out / "bench.md").read_text()
+    rows = (out / "requests.csv").read_text().splitlines()
+    assert len(rows) - 1 >= 3 * arrivals  # every mode's replay (and its warm-up) logged
 
 
 def test_a_generation_timeline_draws_the_prefill_chunk_knob(tmp_path, monkeypatch):

@@ -144,7 +144,7 @@ def run_embed_bench(args) -> int:
         "generator_check": generator,
         "seconds": round(time.monotonic() - started, 1),
     }
-    summary["verdicts"] = verdicts(results, limit) if workload is None else workload_verdicts(results)
+    summary["verdicts"] = verdicts(results, limit) if workload is None else report.workload_verdicts(results)
     write_outputs(out, summary, table, results, logs, args.slo, workload is not None)
     return finish_bench(args, summary, table, out, say)
 
@@ -338,23 +338,6 @@ def _gap(tuned: ModeResult, fixed: ModeResult, oracle: ModeResult | None) -> str
     if oracle is not None and oracle.start_knobs == fixed.start_knobs:
         text += "; the oracle's sweep chose this configuration"
     return text
-
-
-def workload_verdicts(results: list[ModeResult]) -> list[str]:
-    """Goodput of each autotuned run against the seeds and the best static run of the grid."""
-    static = [r for r in results if r.mode.startswith("static:")]
-    best = max(static, key=lambda r: r.workload["goodput"], default=None)
-    lines = []
-    if best is not None:
-        lines.append(f"best static ({len(static)} runs): {best.mode}: goodput {best.workload['goodput']:.1f}/s")
-    for r in results:
-        if r.mode.startswith("autotuned"):
-            g = r.workload["goodput"]
-            line = f"{r.mode}: goodput {g:.1f}/s"
-            if best is not None:
-                line += f" = {g / max(best.workload['goodput'], 1e-9):.0%} of the best static"
-            lines.append(line)
-    return lines
 
 
 def _knob_text(k) -> str:

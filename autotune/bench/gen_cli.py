@@ -3,9 +3,12 @@
     selftune bench --task generate --quick --modes multiprocess,autotuned --out gen-out
     selftune bench --task generate --modes static:process_count=1,threads_per_process=2,max_batch_size=32
     selftune bench --task generate --url http://127.0.0.1:8001      # a server already running
+    selftune bench --task generate --quick --workload onoff:on_rate=0.8,off_rate=0.1,on_seconds=60,off_seconds=120,duration=540 \
+        --modes autotuned,multiprocess,oracle                            # one replay per mode; the oracle: each static of the grid
 
 Prompt and output lengths come from an LLM trace (--trace), clipped; the model's tokenizer
-builds each prompt to its drawn length. Outputs: the table on stdout (and with --out bench.md,
+builds each prompt to its drawn length. A --workload gives the arrival times only (its token
+lengths are ignored): request i is the i-th drawn prompt, as on the ladder. Outputs: the table on stdout (and with --out bench.md,
 bench.json, generation-curves.png, requests.csv, the autotuned runs' timelines and reports).
 """
 
@@ -22,7 +25,7 @@ import numpy as np
 
 from autotune.bench import gen_inputs, gen_report, report
 from autotune.bench.capacity import LadderConfig
-from autotune.bench.gen_runner import GEN_REQUEST_COLUMNS, GenPlan, GenRunLog, gen_oracle_sweep, generation_capacity, run_gen_mode
+from autotune.bench.gen_runner import GEN_REQUEST_COLUMNS, GenPlan, GenRunLog, gen_oracle_sweep, generation_capacity, replay_generation, run_gen_mode
 from autotune.bench.modes import Mode, describe, generation_candidates, mode, parse_grid
 from autotune.bench.runner import ModeResult, as_dict, new_request_log
 from autotune.output import jsonable
@@ -36,12 +39,12 @@ def run_generate_bench(args) -> int:
     start = start_bench(args, _parse)
     if start is None:
         return 2
-    say, started, cores, (names, modes, grid, table), out, machine = start
+    say, started, cores, (names, modes, grid, table, workload), out, machine = start
     model = args.model or DEFAULT_MODEL
     path, context, builder = _model(model, say)
     requests, body = _requests(args, table, context, builder, model, say)
     limit = None
-    if not (args.no_limit or args.url):
+    if not (args.no_limit or args.url or workload is not None):
         from autotune.bench.gen_limit import measure_generation_limit
 
         say(f"limit: {model} in-process (GenerationRunner, fp32), no server")
@@ -52,21 +55,25 @@ def run_generate_bench(args) -> int:
     oracle_rows: list[dict] = []
     try:
         if args.url:
-            results = [_run_external(args.url, plan, body, writer, logs, say)]
+            results = [_run_external(args.url, plan, body, writer, logs, say, workload)]
         else:
-            results, oracle_rows = _run_modes(args, names, modes, grid, cores, model, plan, body, writer, logs, say)
+            results, oracle_rows = _run_modes(args, names, modes, grid, cores, model, plan, body, writer, logs, say, workload)
     finally:
         csv_file.close()
-    generator = None if args.no_generator_check else _generator_check(results, requests["max_output_tokens"], say)
+    generator = None if args.no_generator_check or workload is not None else _generator_check(results, requests["max_output_tokens"], say)
     summary = {
         "task": "generate", "machine": {**machine, "usable_cores": cores}, "model": model, "api": args.api,
         "ttft_slo_seconds": plan.ttft_slo, "itl_slo_seconds": plan.itl_slo, "seed": args.seed, "quick": args.quick, "requests": requests,
-        "plan": {"step_seconds": plan.step_seconds, "min_judged": plan.min_judged, "settle": plan.settle, "grace": plan.grace,
+        "workload": args.workload, "plan": {"step_seconds": plan.step_seconds, "min_judged": plan.min_judged, "settle": plan.settle, "grace": plan.grace,
                  "ladder_start": plan.ladder.start, "factor": plan.ladder.factor},
         "limit": limit, "modes": [as_dict(r) for r in results], "oracle_sweep": oracle_rows, "generator_check": generator,
-        "verdicts": gen_report.generation_verdicts(results, limit), "seconds": round(time.monotonic() - started, 1),
+        "verdicts": gen_report.generation_verdicts(results, limit) if workload is None else report.workload_verdicts(results, lambda g: f"{g:.3f} req/s"),
+        "seconds": round(time.monotonic() - started, 1),
     }
-    table_md = gen_report.generation_table(results, limit, plan.ttft_slo, plan.itl_slo)
+    if workload is None:
+        table_md = gen_report.generation_table(results, limit, plan.ttft_slo, plan.itl_slo)
+    else:
+        table_md = gen_report.generation_workload_table(results, plan.ttft_slo, plan.itl_slo)
     _write_outputs(out, summary, table_md, results, logs, plan)
     return finish_bench(args, summary, table_md, out, say)
 
@@ -87,7 +94,8 @@ def _requests(args, table, context: int, builder, model: str, say) -> tuple[dict
 
 
 def _parse(args, cores: int):
-    """(mode names, their Modes, the oracle's grid, the trace's length table); ValueError names what is wrong."""
+    """(mode names, their Modes, the oracle's grid, the trace's length table, the workload's
+    arrival times or None); ValueError names what is wrong."""
     from autotune.bench.cli import split_modes
 
     for flag, value in (("--ttft-slo", args.ttft_slo), ("--itl-slo", args.itl_slo), ("--step-seconds", args.step_seconds),
@@ -95,8 +103,13 @@ def _parse(args, cores: int):
                         ("--start-rate", args.start_rate)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag}: {value!r} must be a positive number")
+    workload = None
     if args.workload:
-        raise ValueError("--workload is not supported with --task generate (the rate ladder only, for now)")
+        from autotune.bench.workloads import from_spec
+
+        workload = [t for t, _ in from_spec(args.workload)]
+        if not workload:
+            raise ValueError(f"--workload: {args.workload!r} makes no arrivals")
     names = split_modes(args.modes)
     modes = {n: mode(n, cores) for n in names if n != "oracle"}
     grid = parse_grid(args.grid, cores) if args.grid else None
@@ -106,7 +119,7 @@ def _parse(args, cores: int):
         table = gen_inputs.read_lengths(args.trace)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"--trace: {args.trace!r} is not an Azure LLM trace CSV ({exc})") from None
-    return names, modes, grid, table
+    return names, modes, grid, table, workload
 
 
 def _model(spec: str, say):
@@ -157,26 +170,35 @@ def _plan(args, capacity: float | None, path: str) -> GenPlan:
     )
 
 
-def _run_external(url: str, plan: GenPlan, body, writer, logs: dict, say) -> ModeResult:
-    """The capacity of a generating server already running at `url`."""
+def _run_external(url: str, plan: GenPlan, body, writer, logs: dict, say, workload: list[float] | None = None) -> ModeResult:
+    """The capacity (or one replay of the workload) of a generating server already running at `url`."""
     log = GenRunLog(url.rstrip("/"))
     result = ModeResult("external", url, {}, {})
     try:
-        result.max_qps, steps = generation_capacity(log.url, None, log, plan, body, "external", say, writer)
+        if workload is not None:
+            result.workload = replay_generation(log, workload, plan, body, "external", say, writer).as_dict()
+        else:
+            result.max_qps, steps = generation_capacity(log.url, None, log, plan, body, "external", say, writer)
+            result.steps = [s.as_dict() for s in steps]
+            result.at_max = next((s.as_dict() for s in steps if s.passed and s.offered == result.max_qps), None)
     finally:
         log.close()
-    result.steps = [s.as_dict() for s in steps]
-    result.at_max = next((s.as_dict() for s in steps if s.passed and s.offered == result.max_qps), None)
     result.timeline = log.rows
     result.final_knobs = log.rows[-1] if log.rows else {}
     logs["external"] = log
     return result
 
 
-def _run_modes(args, names, modes, grid, cores, model, plan: GenPlan, body, writer, logs: dict, say) -> tuple[list[ModeResult], list[dict]]:
-    """Each mode on its own server, one after another; the oracle sweeps the static grid first."""
+def _run_modes(args, names, modes, grid, cores, model, plan: GenPlan, body, writer, logs: dict, say,
+               workload: list[float] | None = None) -> tuple[list[ModeResult], list[dict]]:
+    """Each mode on its own server, one after another; the oracle sweeps the static grid first.
+    With a workload the oracle (or a --grid) is every static of the grid, each replaying it."""
     results: list[ModeResult] = []
     oracle_rows: list[dict] = []
+    if workload is not None and (grid or "oracle" in names):
+        statics = [f"static:{_knob_text(k)}" for k in grid or generation_candidates(cores, args.quick)]
+        names = [n for n in names if n != "oracle"] + [n for n in statics if n not in names]
+        modes.update({n: mode(n, cores) for n in statics})
     with tempfile.TemporaryDirectory() as workdir:
         for name in names:
             if name == "oracle":
@@ -187,10 +209,15 @@ def _run_modes(args, names, modes, grid, cores, model, plan: GenPlan, body, writ
                 m = Mode("oracle", best, description="best of the static sweep: " + describe(best))
             else:
                 m = modes[name]
-            result, log = run_gen_mode(m, model, workdir, say, plan, body, writer, args.policy)
+            result, log = run_gen_mode(m, model, workdir, say, plan, body, writer, args.policy, workload)
             results.append(result)
             logs[name] = log
     return results, oracle_rows
+
+
+def _knob_text(k) -> str:
+    """The knobs a generation static differs by, as a `static:` mode's text."""
+    return ",".join(f"{name}={getattr(k, name)}" for name in ("process_count", "threads_per_process", "io_threads", "max_batch_size", "max_batch_tokens"))
 
 
 def _generator_check(results: list[ModeResult], max_out: int, say) -> dict:
@@ -212,15 +239,17 @@ def _write_outputs(out: str, summary: dict, table: str, results: list[ModeResult
         m, q = summary["machine"], summary["requests"]
         f.write(f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, {m['ram_gib']} GiB; torch {m['torch']}; model {summary['model']}; "
                 f"prompts ≤ {q['max_prompt_tokens']} tokens (median {q['prompt_tokens_median']:.0f}), outputs ≤ {q['max_output_tokens']} "
-                f"(mean {q['output_tokens_mean']:.1f}), streamed\n\n")
+                f"(mean {q['output_tokens_mean']:.1f}), streamed" + (f"; workload {summary['workload']}" if summary["workload"] else "") + "\n\n")
         f.write(table + "\n\n" + "\n".join(f"- {v}" for v in summary["verdicts"]) + "\n")
         g = summary.get("generator_check")
         if g:
             f.write(f"- load generator against an endpoint that streams at once: {g['achieved']:.1f} of {g['offered']:.0f} req/s offered, "
                     f"{g['tokens_per_second']:.0f} chunks/s, send lag p99 {g['lag_p99_ms']:.1f} ms, {g['generator_cpu_cores']:.2f} cores\n")
-    gen_report.plot_generation_curves(results, plan.ttft_slo, plan.itl_slo, os.path.join(out, "generation-curves.png"))
+    is_workload = summary["workload"] is not None
+    if not is_workload:
+        gen_report.plot_generation_curves(results, plan.ttft_slo, plan.itl_slo, os.path.join(out, "generation-curves.png"))
     for r in results:
-        if r.mode.startswith("autotuned"):
+        if r.mode.startswith("autotuned") or is_workload:
             name = r.mode.replace(":", "-").replace(",", "_").replace("=", "")
             report.plot_mode_timeline(r, logs[r.mode], plan.ttft_slo, os.path.join(out, f"timeline-{name}.png"), task="generate")
             report.write_mode_report(r, logs[r.mode], plan.ttft_slo, summary["model"], os.path.join(out, f"report-{name}.html"), task="generate")

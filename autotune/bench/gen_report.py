@@ -43,6 +43,25 @@ def generation_table(results: list[ModeResult], limit: dict | None, ttft_slo: fl
     return "\n".join(lines)
 
 
+def generation_workload_table(results: list[ModeResult], ttft_slo: float, itl_slo: float) -> str:
+    """Markdown: per mode, over one replayed workload, goodput within both objectives and the latencies behind it."""
+    lines = [
+        f"| mode | configuration | goodput (req/s, TTFT ≤ {ttft_slo:g} s and time per token ≤ {itl_slo * 1000:.0f} ms) | requests | failed / cut | "
+        "output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | end-to-end mean / p99 (ms) | running sequences | CPU (cores) | knobs at the end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        w = r.workload or {}
+        k = r.final_knobs
+        end = f"{k.get('process_count')}×{k.get('threads_per_process')}, batch {k.get('max_batch_size')}, chunk {k.get('max_batch_tokens')}" if k else ""
+        lines.append(
+            f"| {r.mode} | {r.description} | **{_num(w.get('goodput'), '.3f')}** | {w.get('judged', 0)} | {w.get('failed', 0)} / {w.get('cut', 0)} | "
+            f"{_num(w.get('output_tokens_per_s'))} | {_ms(w.get('ttft_p50'))} / {_ms(w.get('ttft_p99'))} | {_ms(w.get('itl_p50'))} / {_ms(w.get('itl_p99'))} | "
+            f"{_ms(w.get('e2e_mean'))} / {_ms(w.get('e2e_p99'))} | {_num(w.get('running'))} | {_num(w.get('cpu_cores'), '.2f')} | {end} |"
+        )
+    return "\n".join(lines)
+
+
 def generation_verdicts(results: list[ModeResult], limit: dict | None) -> list[str]:
     """The comparisons the table exists for, in words: the best mode against the limit at the
     running batch it served, and the autotuned runs against the oracle and the fixed modes."""

@@ -3,7 +3,8 @@
 A rate ladder per mode (autotune/bench/capacity.py's `RateLadder`) finds the highest Poisson
 rate at which a step passes `judge_generation` (both p99 objectives, nothing failed); each step
 is cut `grace` seconds after its last arrival. The oracle probes a grid of static knobs at one
-rate on one server, as the embedding bench does.
+rate on one server, as the embedding bench does. With a workload instead of the ladder, each
+mode replays the same arrivals once and the whole replay is judged as one step (its goodput).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from autotune.bench import stream_loadgen
 from autotune.bench.capacity import LadderConfig, RateLadder, poisson_arrivals
 from autotune.bench.gen_capacity import GenStepResult, judge_generation
 from autotune.bench.modes import Mode, describe
-from autotune.bench.runner import ADMIN_TOKEN, ModeResult, RunLog, start_server, wait_idle, wait_ready_workers
+from autotune.bench.runner import ADMIN_TOKEN, ModeResult, Progress, RunLog, start_server, wait_idle, wait_ready_workers
 from autotune.bench.stream_loadgen import StreamResult
 from engine.config import Knobs
 
@@ -73,10 +74,13 @@ class GenRunLog(RunLog):
         with self._lock:
             self.rows.append({"t": round(time.monotonic() - self.started, 2), **knobs, "running": running})
 
-    def stream(self, arrivals: list[float], body: Body, path: str, cut_after: float | None = None) -> list[StreamResult]:
-        """stream_loadgen.run against the server, /stats polled meanwhile, the requests kept on this log's clock."""
+    def stream(self, arrivals: list[float], body: Body, path: str, cut_after: float | None = None,
+               progress: Callable[[float], None] | None = None) -> list[StreamResult]:
+        """stream_loadgen.run against the server, /stats polled meanwhile (and `progress` told the
+        seconds elapsed), the requests kept on this log's clock."""
         self.last_offset = offset = time.monotonic() - self.started
-        results = stream_loadgen.run(self.url, arrivals, body, path, cut_after, on_tick=self.tick)
+        tick = self.tick if progress is None else lambda elapsed: (self.tick(elapsed), progress(elapsed))
+        results = stream_loadgen.run(self.url, arrivals, body, path, cut_after, on_tick=tick)
         self.requests.extend((offset + r.sent_at, offset + r.sent_at + (r.ttft if r.ok else 0.0), r.ok and not math.isnan(r.ttft))
                              for r in results)
         return results
@@ -102,12 +106,17 @@ def measure_gen_step(log: GenRunLog, rate: float, plan: GenPlan, body: Body, see
     return judge_generation(results, rate, settle * seconds, seconds, plan.ttft_slo, plan.itl_slo, cores, running), results
 
 
-def generation_capacity(url: str, cpu_seconds: Callable[[], float] | None, log: GenRunLog, plan: GenPlan, body: Body, label: str, say: Say,
-                        writer=None) -> tuple[float, list[GenStepResult]]:
-    """Warm up at the ladder's first rate, then climb and bisect; (max req/s within both objectives, steps)."""
+def warm_up(log: GenRunLog, plan: GenPlan, body: Body, label: str, say: Say) -> None:
+    """Evenly spaced requests at the ladder's first rate for the plan's warm-up seconds (nothing judged)."""
     say(f"[{label}] warm-up: {plan.ladder.start:.2f} req/s for {plan.warmup_seconds:g} s")
     warm = plan.ladder.start
     log.stream([k / warm for k in range(max(1, int(warm * plan.warmup_seconds)))], body, plan.path, cut_after=plan.warmup_seconds + plan.grace)
+
+
+def generation_capacity(url: str, cpu_seconds: Callable[[], float] | None, log: GenRunLog, plan: GenPlan, body: Body, label: str, say: Say,
+                        writer=None) -> tuple[float, list[GenStepResult]]:
+    """Warm up at the ladder's first rate, then climb and bisect; (max req/s within both objectives, steps)."""
+    warm_up(log, plan, body, label, say)
     ladder = RateLadder(plan.ladder)
     steps: list[GenStepResult] = []
     while (rate := ladder.next_rate()) is not None:
@@ -123,17 +132,39 @@ def generation_capacity(url: str, cpu_seconds: Callable[[], float] | None, log: 
     return ladder.best, steps
 
 
-def run_gen_mode(mode: Mode, model: str, workdir: str, say: Say, plan: GenPlan, body: Body, writer=None, policy: str | None = None) -> tuple[ModeResult, GenRunLog]:
-    """Start the mode's generating server, find its capacity, stop it."""
+def replay_generation(log: GenRunLog, arrivals: list[float], plan: GenPlan, body: Body, label: str, say: Say, writer=None,
+                      cpu_seconds: Callable[[], float] | None = None) -> GenStepResult:
+    """Stream request i at arrivals[i] (seconds), cut `grace` after the last; the whole replay judged as one step."""
+    duration = max(arrivals[-1] if arrivals else 0.0, 1e-9)
+    cpu0, t0 = (cpu_seconds() if cpu_seconds else 0.0), time.monotonic()
+    results = log.stream(arrivals, body, plan.path, cut_after=duration + plan.grace, progress=Progress(label, duration, say))
+    cores = (cpu_seconds() - cpu0) / (time.monotonic() - t0) if cpu_seconds else math.nan
+    running = log.running_between(log.last_offset, log.last_offset + duration)
+    step = judge_generation(results, len(arrivals) / duration, 0.0, duration, plan.ttft_slo, plan.itl_slo, cores, running)
+    if writer is not None:
+        write_gen_results(writer, label, step.offered, results)
+    say(f"[{label}] replayed {step.judged} requests over {duration:.0f} s: goodput {step.goodput:.3f} req/s, TTFT p99 {step.ttft_p99 * 1000:.0f} ms, "
+        f"ITL p99 {step.itl_p99 * 1000:.0f} ms, {step.failed} failed, {step.cut} cut")
+    return step
+
+
+def run_gen_mode(mode: Mode, model: str, workdir: str, say: Say, plan: GenPlan, body: Body, writer=None, policy: str | None = None,
+                 workload: list[float] | None = None) -> tuple[ModeResult, GenRunLog]:
+    """Start the mode's generating server, find its capacity (or replay the workload's arrivals), stop it."""
     say(f"[{mode.name}] starting: {mode.description}")
     server = start_server(mode, model, workdir, policy, task="generate")
     log = GenRunLog(server.url)
     result = ModeResult(mode.name, mode.description, mode.knobs.as_dict(), {})
     try:
-        result.max_qps, steps = generation_capacity(server.url, server.cpu_seconds, log, plan, body, mode.name, say, writer)
-        result.steps = [s.as_dict() for s in steps]
-        best = [s for s in steps if s.passed and s.offered == result.max_qps]
-        result.at_max = best[0].as_dict() if best else None
+        if workload is None:
+            result.max_qps, steps = generation_capacity(server.url, server.cpu_seconds, log, plan, body, mode.name, say, writer)
+            result.steps = [s.as_dict() for s in steps]
+            best = [s for s in steps if s.passed and s.offered == result.max_qps]
+            result.at_max = best[0].as_dict() if best else None
+        else:
+            warm_up(log, plan, body, mode.name, say)
+            wait_idle(server.url)
+            result.workload = replay_generation(log, workload, plan, body, mode.name, say, writer, server.cpu_seconds).as_dict()
         result.memory_mib = server.memory_bytes() / 2**20
         result.final_knobs = httpx.get(server.url + "/stats", timeout=10).json()["knobs"]
         result.timeline = log.rows

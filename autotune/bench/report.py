@@ -27,6 +27,26 @@ def tuned_verdicts(results: list[ModeResult], rate: Callable[[float], str], gap:
     return lines
 
 
+def workload_verdicts(results: list[ModeResult], unit: Callable[[float], str] = lambda g: f"{g:.1f}/s") -> list[str]:
+    """Goodput over a replayed workload: each autotuned run against the best static run of the
+    grid (the oracle, for a workload) and against each fixed mode; `unit` writes a goodput."""
+    static = [r for r in results if r.mode.startswith("static:")]
+    best = max(static, key=lambda r: r.workload["goodput"], default=None)
+    fixed = [r for r in results if r.mode in ("multiprocess", "multithread", "hybrid")]
+    lines = []
+    if best is not None:
+        lines.append(f"best static ({len(static)} runs): {best.mode}: goodput {unit(best.workload['goodput'])}")
+    for r in results:
+        if r.mode.startswith("autotuned"):
+            g = r.workload["goodput"]
+            line = f"{r.mode}: goodput {unit(g)}"
+            if best is not None:
+                line += f" = {g / max(best.workload['goodput'], 1e-9):.0%} of the best static"
+            line += "".join(f"; {f.mode} {unit(f.workload['goodput'])} ({g / max(f.workload['goodput'], 1e-9):.2f} ×)" for f in fixed)
+            lines.append(line)
+    return lines
+
+
 def _ms(seconds) -> str:
     return "–" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1000:.0f}"
 
