@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import packing
-from engine.loading import MIN_COSINE, MIN_SPEEDUP, compute_dtype
+from engine.loading import MIN_COSINE, MIN_SPEEDUP, compute_dtype, decided_before_probe
 
 log = logging.getLogger("selftune.engine")
 
@@ -271,14 +271,9 @@ def decide_dtype(requested: str, native: tuple[bool, str] | None, probe: dict | 
         choice["probe_seconds"] = probe.get("seconds")
     if error is not None:
         choice["probe_error"] = error
-    if requested != "auto":
-        dtype, reason = requested, f"forced by model.dtype: {requested}"
-    elif error is not None:
-        dtype, reason = "float32", f"the bf16 probe failed ({error})"
-    elif native is not None and not native[0]:
-        dtype, reason = "float32", f"no native bf16 ({native[1]})"
-    elif probe is None:
-        dtype, reason = "float32", "bf16 not probed"
+    settled = decided_before_probe(requested, native, probe, error)
+    if settled is not None:
+        dtype, reason = settled
     elif probe["min_cosine"] < MIN_COSINE:
         dtype, reason = "float32", f"bf16 cosine {probe['min_cosine']:.6f} < {MIN_COSINE} on the probe set"
     elif probe.get("speedup", 0.0) < MIN_SPEEDUP:

@@ -30,6 +30,20 @@ MIN_SPEEDUP = 1.1
 """... and only if its probe batch runs at least this much faster (a tie is not worth the error)."""
 
 
+def decided_before_probe(requested: str, native: tuple[bool, str] | None, probe: dict | None, error: str | None) -> tuple[str, str] | None:
+    """(dtype, reason) where `model.dtype` settles without the probe's numbers (forced, the probe
+    failed, no native bf16, not probed), for every task's choice; None: the probe decides."""
+    if requested != "auto":
+        return requested, f"forced by model.dtype: {requested}"
+    if error is not None:
+        return "float32", f"the bf16 probe failed ({error})"
+    if native is not None and not native[0]:
+        return "float32", f"no native bf16 ({native[1]})"
+    if probe is None:
+        return "float32", "bf16 not probed"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """What the front process needs to know about a model without loading its weights."""

@@ -87,6 +87,8 @@ def load_for_serving(model_path: str, task: str, device: str, dtype: str, backen
     device = resolve_device(device)
     if task == "embed" and (dtype in ("auto", "bfloat16") or backend == "onnxruntime"):
         model, choice = _load_embedding(model_path, device, dtype, backend, cache_dir or default_cache_dir())
+    elif task == "generate" and dtype == "auto" and device == "cpu":
+        model, choice = _load_generation(model_path, device)
     else:
         torch_dtype = resolve_dtype(dtype, device)
         model = load_model(model_path, task, torch_dtype)
@@ -98,10 +100,11 @@ def load_for_serving(model_path: str, task: str, device: str, dtype: str, backen
     if threading.active_count() > 1:  # idle native pools (torch, OpenBLAS) are fork-safe; Python threads are not
         names = [t.name for t in threading.enumerate()]
         log.warning("zygote has Python threads %s after loading; forking may be unsafe", names)
-    cosine = choice.get("min_cosine")
-    log.info("model backend %s, dtype %s (model.backend: %s, model.dtype: %s; %s): %s; worst cosine to fp32 on the probe set %s",
-             choice["backend"], choice["dtype"], backend, dtype, choice["mode"], choice["reason"],
-             "n/a" if cosine is None else f"{cosine:.6f}")
+    cosine, agreement = choice.get("min_cosine"), choice.get("bf16_token_agreement")
+    fidelity = (f"bf16 picks fp32's next token (or a near tie) at {agreement:.2%} of the probe positions" if agreement is not None
+                else "worst cosine to fp32 on the probe set " + ("n/a" if cosine is None else f"{cosine:.6f}"))
+    log.info("model backend %s, dtype %s (model.backend: %s, model.dtype: %s; %s): %s; %s",
+             choice["backend"], choice["dtype"], backend, dtype, choice["mode"], choice["reason"], fidelity)
     return model, device, choice
 
 
@@ -131,7 +134,8 @@ def _load_embedding(model_path: str, device: str, dtype: str, backend: str, cach
     onnx_path = export_path(model_path, cache_dir) if onnx else None
     probe = error = onnx_error = None
     if bf16 or onnx:
-        result = _probe_in_child(model_path, model, device, timing=dtype == "auto" and backend != "onnxruntime", bf16=bf16, onnx_path=onnx_path)
+        timing = dtype == "auto" and backend != "onnxruntime"
+        result = _in_probe_child(lambda: _probe(model_path, model, device, timing, bf16, onnx_path))
         error, probe, onnx_error = result.get("error"), result.get("probe"), result.get("onnx_error")
         if "native" in result:
             native = tuple(result["native"])
@@ -145,8 +149,41 @@ def _load_embedding(model_path: str, device: str, dtype: str, backend: str, cach
     return model, choice
 
 
-def _probe_in_child(model_path: str, model, device: str, timing: bool, bf16: bool = True, onnx_path: str | None = None) -> dict:
-    """engine.embedding.probe_dtype in a forked child; its answer as a dict ({"error": ...} if it
+def _load_generation(model_path: str, device: str):
+    """`model.dtype: auto` for generation on a CPU: fp32 weights; with native bf16, bf16's next
+    tokens and decode speed measured in a probe child (engine.gen_dtype); the whole model cast
+    here if bf16 it is (once, shared by every worker)."""
+    import torch
+
+    from engine.gen_dtype import decide_generation_dtype
+    from engine.loading import load_model, native_bf16
+
+    model = load_model(model_path, "generate", torch.float32)
+    _wait_for_loader_threads()
+    native = native_bf16(device)
+    result = _in_probe_child(lambda: _probe_generation(model_path, model)) if native[0] else {}
+    choice = decide_generation_dtype("auto", native, result.get("probe"), result.get("error"))
+    return (model.to(torch.bfloat16) if choice["dtype"] == "bfloat16" else model), choice
+
+
+def _probe_generation(model_path: str, model) -> dict:
+    """In the probe child: engine.gen_dtype's probe on the fixed probe texts, on one thread."""
+    import torch
+
+    from engine.embedding import PROBE_TEXTS
+    from engine.gen_dtype import probe_generation_dtype
+    from engine.loading import load_tokenizer, model_info, token_ids
+    from engine.worker import die_with_parent
+
+    die_with_parent()
+    torch.set_num_threads(1)  # as a worker with threads_per_process 1 runs
+    tokenizer = load_tokenizer(model_path)
+    ids = [x for x in token_ids(tokenizer, list(PROBE_TEXTS)) if x]
+    return {"probe": probe_generation_dtype(model, ids, model_info(model_path, tokenizer).eos_token_ids)}
+
+
+def _in_probe_child(probe) -> dict:
+    """`probe()` in a forked child; its answer (a JSON-able dict) here ({"error": ...} if it
     failed or timed out). The child runs the forwards, so the zygote stays a process that never
     ran one (OpenMP pools, CUDA contexts) and every worker it forks starts clean."""
     started = time.monotonic()
@@ -156,7 +193,7 @@ def _probe_in_child(model_path: str, model, device: str, timing: bool, bf16: boo
         os.close(read_end)
         try:
             try:
-                answer = _probe(model_path, model, device, timing, bf16, onnx_path)
+                answer = probe()
             except BaseException as exc:  # whatever the probe raises, auto falls back to fp32
                 answer = {"error": f"{type(exc).__name__}: {exc}"}
             data = json.dumps(answer).encode()

@@ -142,7 +142,7 @@ def test_generation_limit_on_the_tiny_model(tiny_causal_lm):
 
 
 def test_table_and_verdicts_set_the_best_mode_against_the_limit_at_its_batch():
-    limit = {"tokens_per_second": 200.0, "batch_size": 32, "processes": 1, "threads": 2, "prompt_tokens": 64,
+    limit = {"tokens_per_second": 200.0, "batch_size": 32, "processes": 1, "threads": 2, "prompt_tokens": 64, "dtype": "bfloat16",
              "table": {"1x2": {1: 20.0, 8: 80.0, 32: 200.0}, "2x1": {2: 30.0, 8: 60.0, 32: 150.0}}}
     at = {"output_tokens_per_s": 60.0, "running": 8.0, "goodput": 1.0, "ttft_p50": 0.2, "ttft_p99": 1.5, "itl_p50": 0.1, "itl_p99": 0.2,
           "e2e_mean": 3.0, "e2e_p99": 5.0, "cpu_cores": 1.9}
@@ -154,7 +154,7 @@ def test_table_and_verdicts_set_the_best_mode_against_the_limit_at_its_batch():
     assert lines[-1] == "autotuned ahead of: multiprocess"
     table = generation_table([fixed, tuned], limit, 2.0, 0.25)
     assert "| autotuned |  | **1.00** | 60.0 | 1.00 | 200 / 1500 | 100 / 200 |" in table
-    assert "| limit | in-process decode, no server: 1 × 2, fp32, prompts of 64 tokens (B=1: 20, B=8: 80, B=32: 200 tok/s) |" in table
+    assert "| limit | in-process decode, no server: 1 × 2, bfloat16, prompts of 64 tokens (B=1: 20, B=8: 80, B=32: 200 tok/s) |" in table
 
 
 def run_bench(*args, timeout=300):

@@ -20,7 +20,8 @@ PROMPTS = [[101, 7592, 2088], [101, 1996, 4248, 2829, 4419, 14523, 2058], [101, 
 
 @pytest.fixture(scope="module")
 def engine(tiny_causal_lm):
-    config = EngineConfig(model=tiny_causal_lm, task="generate", knobs=Knobs(process_count=1, max_batch_size=3))
+    # fp32, as the reference it is compared with (dtype auto may pick bf16 on a CPU with native bf16)
+    config = EngineConfig(model=tiny_causal_lm, task="generate", dtype="float32", knobs=Knobs(process_count=1, max_batch_size=3))
     with Engine(config) as eng:
         yield eng
 

@@ -96,6 +96,11 @@ def test_simulate_and_tune_run_for_generate_on_a_trace(tmp_path):
                   "--policy", "builtin:generate", "--knobs", "process_count=1,threads_per_process=2,max_batch_size=4", "--json")
     assert result["task"] == "generate" and result["completed"] == result["requests"] > 10
     assert result["knob_trajectory"][0]["max_batch_size"] == 4 and result["ttft_seconds"]["p99"] > 0
+    assert result["dtype"] == "float32"
+    # a cost model measured in fp32 does not simulate a server forced to bf16
+    wrong = subprocess.run([sys.executable, "-m", "autotune.cli", "simulate", "--task", "generate", "--workload", workload, "--cost-model", str(cost),
+                            "--dtype", "bfloat16"], capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "was measured with dtype float32, but model.dtype is bfloat16" in wrong.stderr
     config = tmp_path / "tune.yaml"
     config.write_text(json.dumps({
         "task": "generate", "policy": "builtin:generate", "cost_model": str(cost), "out": str(tmp_path / "out"),
@@ -119,6 +124,8 @@ def test_profiling_the_real_runner_gives_a_cost_model_per_thread_count(tiny_caus
     path = tmp_path / "tiny.json"
     model.save(str(path))
     assert load_gen_cost_model(str(path)).by_threads == model.by_threads
+    # profiled in what `model.dtype: auto` serves here, and it says so
+    assert model.choice["requested"] == "auto" and model.dtype == model.choice["dtype"] and load_gen_cost_model(str(path)).dtype == model.dtype
     with pytest.raises(ValueError, match="not a generation cost model"):
         load_gen_cost_model(os.path.join(ROOT, "configs", "costmodels", "epyc-2core-minilm.json"))
 

@@ -71,7 +71,7 @@ def test_the_prefill_chunk_changes_mid_prompt(gpt2):
 
 @pytest.fixture(scope="module")
 def engine(tiny_causal_lm):
-    config = EngineConfig(model=tiny_causal_lm, task="generate", knobs=Knobs(process_count=1, max_batch_size=4))
+    config = EngineConfig(model=tiny_causal_lm, task="generate", dtype="float32", knobs=Knobs(process_count=1, max_batch_size=4))  # as the reference
     with Engine(config) as eng:
         yield eng
 

@@ -18,7 +18,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def server(tmp_path_factory):
     config = {
         # a client that hard-codes "gpt-4o-mini" can talk to this server unchanged
-        "model": {"name": "builtin:smollm2", "task": "generate", "served_names": [MODEL, "gpt-4o-mini"]},
+        # fp32: some tests compare with the fp32 model's own logprobs (dtype auto may serve bf16 here)
+        "model": {"name": "builtin:smollm2", "task": "generate", "dtype": "float32", "served_names": [MODEL, "gpt-4o-mini"]},
         "concurrency": {"process_count": 1, "threads_per_process": 2, "max_batch_size": 4},
         # 8 s: the deadline test waits for it; every other generation here finishes well within
         "limits": {"request_timeout_seconds": 8, "max_queued_tokens": 5000},

@@ -46,9 +46,12 @@ def run_generate_bench(args) -> int:
     limit = None
     if not (args.no_limit or args.url or workload is not None):
         from autotune.bench.gen_limit import measure_generation_limit
+        from autotune.bench.limit import served_choice
 
-        say(f"limit: {model} in-process (GenerationRunner, fp32), no server")
-        limit = measure_generation_limit(path, cores, int(requests["prompt_tokens_median"]), duration=1.0 if args.quick else 2.0, say=say)
+        choice = served_choice(path, "auto", task="generate")  # what the modes' servers serve (model.dtype: auto)
+        say(f"limit: {model} in-process (GenerationRunner, {choice['dtype']}: {choice['reason']}), no server")
+        limit = measure_generation_limit(path, cores, int(requests["prompt_tokens_median"]), duration=1.0 if args.quick else 2.0, say=say,
+                                         dtype=choice["dtype"])
     plan = _plan(args, _capacity_estimate(limit, requests), gen_inputs.path_of(args.api))
     csv_file, writer = new_request_log(os.path.join(out, "requests.csv"), GEN_REQUEST_COLUMNS)
     logs: dict[str, GenRunLog] = {}

@@ -1,6 +1,7 @@
 """The generation limit: batched decode flat out, in-process, with no server in the way.
 
-Spawned children (the caller never imports torch) load the model in fp32 and run the engine's
+Spawned children (the caller never imports torch) load the model in the dtype the server serves
+(`served_choice`: the zygote's own choice for `model.dtype: auto`) and run the engine's
 own `GenerationRunner`, as the two layouts that fill the cores do (1 process × all threads,
 and one single-threaded process per core, the sequences split between them). At each total
 batch B the new prompts are prefilled first (timed apart: prefill tokens/s), then all
@@ -46,13 +47,13 @@ def _grow_and_decode(runner, batch: int, prompt_tokens: int, max_tokens: int, vo
 _ids = itertools.count()
 
 
-def _child(path: str, threads: int, batches, prompt_tokens: int, duration: float, barrier, results, rank: int) -> None:
+def _child(path: str, threads: int, batches, prompt_tokens: int, duration: float, barrier, results, rank: int, dtype: str = "float32") -> None:
     try:
         torch = child_setup(threads)
         from engine.generation import GenerationRunner
         from engine.loading import load_model, load_tokenizer, model_info
 
-        model = load_model(path, "generate", torch.float32)
+        model = load_model(path, "generate", getattr(torch, dtype))
         info = model_info(path, load_tokenizer(path))
         prompt_tokens = max(1, min(prompt_tokens, info.max_length // 4))
         max_tokens = info.max_length - prompt_tokens  # room for as many decode steps as the context allows
@@ -69,12 +70,13 @@ def _child(path: str, threads: int, batches, prompt_tokens: int, duration: float
         results.put((rank, {"error": repr(exc)}))
 
 
-def run_layout(ctx, path: str, processes: int, threads: int, batch_sizes, prompt_tokens: int, duration: float) -> tuple[dict, dict, int]:
+def run_layout(ctx, path: str, processes: int, threads: int, batch_sizes, prompt_tokens: int, duration: float,
+               dtype: str = "float32") -> tuple[dict, dict, int]:
     """({total B: decode tokens/s}, {total B: prefill tokens/s}, prompt tokens) of `processes` children × `threads`."""
     per_child = sorted({max(1, b // processes) for b in batch_sizes})
     barrier = ctx.Barrier(processes) if processes > 1 else None
     results = ctx.Queue()
-    children = [ctx.Process(target=_child, args=(path, threads, per_child, prompt_tokens, duration, barrier, results, r)) for r in range(processes)]
+    children = [ctx.Process(target=_child, args=(path, threads, per_child, prompt_tokens, duration, barrier, results, r, dtype)) for r in range(processes)]
     for c in children:
         c.start()
     try:
@@ -92,16 +94,17 @@ def run_layout(ctx, path: str, processes: int, threads: int, batch_sizes, prompt
     return decode, prefill, got[0]["prompt_tokens"]
 
 
-def measure_generation_limit(path: str, cores: int, prompt_tokens: int, batch_sizes=BATCH_SIZES, duration: float = 2.0, say=lambda msg: None) -> dict:
-    """Decode tokens/s per layout and total batch size (fp32), the best cell, and prefill tokens/s."""
+def measure_generation_limit(path: str, cores: int, prompt_tokens: int, batch_sizes=BATCH_SIZES, duration: float = 2.0, say=lambda msg: None,
+                             dtype: str = "float32") -> dict:
+    """Decode tokens/s per layout and total batch size in `dtype`, the best cell, and prefill tokens/s."""
     ctx = mp.get_context("spawn")
     layouts = [(1, cores), (cores, 1)] if cores > 1 else [(1, 1)]
     table, prefill = {}, {}
     for processes, threads in layouts:
         name = f"{processes}x{threads}"
-        table[name], prefill[name], used = run_layout(ctx, path, processes, threads, batch_sizes, prompt_tokens, duration)
+        table[name], prefill[name], used = run_layout(ctx, path, processes, threads, batch_sizes, prompt_tokens, duration, dtype)
         say(f"limit {name}, prompts of {used} tokens: " + "  ".join(f"B={b}: {v:.0f} tok/s" for b, v in table[name].items()))
     name, batch = max(((n, b) for n in table for b in table[n]), key=lambda k: table[k[0]][k[1]])
     processes, threads = (int(x) for x in name.split("x"))
-    return {"tokens_per_second": table[name][batch], "batch_size": batch, "processes": processes, "threads": threads,
+    return {"tokens_per_second": table[name][batch], "batch_size": batch, "processes": processes, "threads": threads, "dtype": dtype,
             "prompt_tokens": used, "table": table, "prefill_tokens_per_second": prefill}

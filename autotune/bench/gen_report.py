@@ -37,7 +37,7 @@ def generation_table(results: list[ModeResult], limit: dict | None, ttft_slo: fl
         layout = f"{limit['processes']}x{limit['threads']}"
         cells = ", ".join(f"B={b}: {v:.0f}" for b, v in limit["table"][layout].items())
         lines.append(
-            f"| limit | in-process decode, no server: {limit['processes']} × {limit['threads']}, fp32, prompts of {limit['prompt_tokens']} tokens ({cells} tok/s) | | "
+            f"| limit | in-process decode, no server: {limit['processes']} × {limit['threads']}, {limit.get('dtype', 'float32')}, prompts of {limit['prompt_tokens']} tokens ({cells} tok/s) | | "
             f"**{limit['tokens_per_second']:.1f}** (B={limit['batch_size']}) | | | | | {limit['batch_size']} | | | |"
         )
     return "\n".join(lines)

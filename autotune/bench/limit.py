@@ -54,22 +54,22 @@ def load_runner(path: str, served: str = "float32", threads: int = 1):
     return embed, runner, hidden
 
 
-def _choice_child(path: str, dtype: str, results) -> None:
+def _choice_child(path: str, dtype: str, results, task: str = "embed") -> None:
     try:
         from engine.zygote import load_for_serving
 
-        _, _, choice = load_for_serving(path, "embed", "cpu", dtype)
+        _, _, choice = load_for_serving(path, task, "cpu", dtype)
         results.put(choice)
     except BaseException as exc:  # report, never hang the parent
         results.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
-def served_choice(path: str, dtype: str = "auto") -> dict:
-    """What `selftune serve` with `model.dtype: dtype` would serve on this CPU: the zygote's own
-    loading and dtype choice (engine.zygote.load_for_serving), run in a spawned child."""
+def served_choice(path: str, dtype: str = "auto", task: str = "embed") -> dict:
+    """What `selftune serve --task task` with `model.dtype: dtype` would serve on this CPU: the
+    zygote's own loading and dtype choice (engine.zygote.load_for_serving), run in a spawned child."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=_choice_child, args=(path, dtype, results))
+    child = ctx.Process(target=_choice_child, args=(path, dtype, results, task))
     child.start()
     try:
         choice = results.get(timeout=600)

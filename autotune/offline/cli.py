@@ -90,22 +90,23 @@ def _dtype_argument(parser) -> None:
                         help="model.dtype of the server simulated (and, for validate, started): the cost model must have been measured with it")
 
 
-def default_cost_model(dtype: str) -> str:
+def default_cost_model(dtype: str, shipped_models: dict[str, str] = DEFAULT_COST_MODELS) -> str:
     """The shipped cost model for a server with model.dtype `dtype` here: bf16's where it serves
     bf16 (auto: on a CPU with native bf16, where the start-up probe picks it), else fp32's."""
     from engine.loading import native_bf16
 
     served = "bfloat16" if dtype == "bfloat16" or (dtype == "auto" and native_bf16("cpu")[0]) else "float32"
-    return DEFAULT_COST_MODELS[served]
+    return shipped_models[served]
 
 
-def load_checked_cost_model(spec: str, dtype: str):
-    """The cost model at `spec`, held against model.dtype `dtype` (costmodel.check_dtype): a
-    ValueError naming both when they certainly differ, a warning on stderr when they may."""
+def load_checked_cost_model(spec: str, dtype: str, load=None):
+    """The cost model at `spec` (read by `load`: the embedding one's reader by default), held
+    against model.dtype `dtype` (costmodel.check_dtype): a ValueError naming both when they
+    certainly differ, a warning on stderr when they may."""
     from autotune.offline.costmodel import check_dtype, load_cost_model
     from engine.loading import native_bf16
 
-    model = load_cost_model(str(shipped.resolve(spec, shipped.COST_MODEL)))
+    model = (load or load_cost_model)(str(shipped.resolve(spec, shipped.COST_MODEL)))
     warning = check_dtype(model, dtype, native_bf16("cpu") if dtype == "auto" else None, f"cost model {spec}")
     if warning:
         say(f"warning: {warning}")

@@ -13,7 +13,8 @@ from autotune.bench.modes import parse_knobs
 from autotune.output import emit, jsonable, say
 from engine.config import Knobs
 
-DEFAULT_GEN_COST_MODEL = "builtin:epyc-2core-smollm2-generate"
+DEFAULT_GEN_COST_MODELS = {"float32": "builtin:epyc-2core-smollm2-generate", "bfloat16": "builtin:epyc-2core-smollm2-generate-bf16"}
+"""The shipped generation cost models (SmolLM2 on this 2-core EPYC), by the dtype they were measured in."""
 GEN_KNOBS = "process_count=1,threads_per_process=2,max_batch_size=16"
 GEN_STATIC_GRID = {"process_count": [1, 2], "threads_per_process": [1, 2], "max_batch_size": [4, 8, 16, 32], "max_batch_tokens": [64, 256, 1024]}
 """The oracle's grid for generation (a tune config's static_grid replaces it)."""
@@ -22,12 +23,12 @@ GEN_STATIC_GRID = {"process_count": [1, 2], "threads_per_process": [1, 2], "max_
 def run_gen_profile(args) -> int:
     from autotune.offline.gen_profiler import FULL, QUICK, profile_generation
 
-    model = profile_generation(args.model, QUICK if args.quick else FULL, say, save_to=args.out)
-    say(f"generation cost model: {args.out} ({len(model.points)} steps timed)")
+    model = profile_generation(args.model, QUICK if args.quick else FULL, say, save_to=args.out, dtype=args.dtype)
+    say(f"generation cost model: {args.out} ({len(model.points)} steps timed in {model.dtype})")
     for threads, (p, d) in sorted(model.by_threads.items()):
         say(f"  {threads} thread(s): prefill {p[0] * 1000:.2f} ms + {p[1] * 1e6:.1f} µs/token + {p[2] * 1e9:.3f} ns/token²; "
             f"decode {d[0] * 1000:.2f} ms + {d[1] * 1000:.3f} ms/row + {d[2] * 1e6:.3f} µs/(row·column)")
-    emit({"cost_model": args.out, "by_threads": model.to_json()["by_threads"], "points": len(model.points)}, args.json)
+    emit({"cost_model": args.out, "dtype": model.dtype, "by_threads": model.to_json()["by_threads"], "points": len(model.points)}, args.json)
     return 0
 
 
@@ -49,9 +50,11 @@ def run_gen_simulate(args) -> int:
     from autotune.offline.gen_workload import generation_arrivals
     from policies.loader import load_policy
 
-    cost_spec = args.cost_model or DEFAULT_GEN_COST_MODEL
+    from autotune.offline.cli import default_cost_model, load_checked_cost_model
+
+    cost_spec = args.cost_model or default_cost_model(args.dtype, DEFAULT_GEN_COST_MODELS)
     try:
-        cost_model = load_gen_cost_model(str(shipped.resolve(cost_spec, shipped.COST_MODEL)))
+        cost_model = load_checked_cost_model(cost_spec, args.dtype, load_gen_cost_model)
         arrivals = generation_arrivals(args.workload, cost_model.max_positions)
         policy = load_policy(str(shipped.resolve(args.policy, shipped.POLICY)))
         config = gen_sim_config(args)
@@ -60,7 +63,7 @@ def run_gen_simulate(args) -> int:
         return 2
     started = time.perf_counter()
     result = simulate_generation(arrivals, cost_model, config, policy)
-    summary = {"task": "generate", "workload": args.workload, "policy": args.policy, "cost_model": cost_spec,
+    summary = {"task": "generate", "workload": args.workload, "policy": args.policy, "cost_model": cost_spec, "dtype": cost_model.dtype,
                "wall_seconds": round(time.perf_counter() - started, 3), **result.summary()}
     ttft, itl = summary["ttft_seconds"], summary["itl_seconds"]
     say(f"{summary['requests']} generations over {summary['duration_seconds']:.0f} s simulated in {summary['wall_seconds']:.2f} s ({args.policy})")
@@ -83,7 +86,7 @@ def gen_tune_problem(config: dict, spec: dict, objective: str, sim_args):
     from autotune.offline.gen_workload import generation_arrivals
     from autotune.offline.tuner import Problem
 
-    cost_model = load_gen_cost_model(str(shipped.resolve(config.get("cost_model", DEFAULT_GEN_COST_MODEL), shipped.COST_MODEL)))
+    cost_model = load_gen_cost_model(str(shipped.resolve(config.get("cost_model", DEFAULT_GEN_COST_MODELS["float32"]), shipped.COST_MODEL)))
     sim_args.ttft = float(config.get("ttft_seconds", 2.0))
     sim_args.itl = float(config.get("itl_seconds", 0.25))
     knobs = Knobs(**config.get("knobs", {}))

@@ -36,6 +36,10 @@ class GenCostModel:
     machine: str = ""
     points: list = field(default_factory=list)
     """The measured steps: [threads, prefill tokens, rows, columns, seconds]."""
+    dtype: str = "float32"
+    """The dtype the model ran in while profiled (files from before it was recorded were fp32)."""
+    choice: dict = field(default_factory=dict)
+    """How that dtype was chosen (model.dtype auto: the zygote's choice and its reason)."""
 
     def coefficients(self, threads: int):
         known = sorted(self.by_threads)
@@ -53,10 +57,15 @@ class GenCostModel:
             seconds -= min(p0, d0)  # both parts go through one model call, which reads the weights once
         return seconds * max(1.0, busy * threads / max(cores, 1))  # oversubscribed cores share out
 
+    @property
+    def backend(self) -> dict:
+        """What costmodel.check_dtype reads: the dtype measured and the model.dtype that chose it."""
+        return {"dtype": self.dtype, "requested": self.choice.get("requested")}
+
     def to_json(self) -> dict:
         return {
             "format": FORMAT, "model": self.model, "machine": self.machine, "max_positions": self.max_positions,
-            "kv_values_per_token": self.kv_values_per_token,
+            "kv_values_per_token": self.kv_values_per_token, "dtype": self.dtype, "choice": self.choice,
             "by_threads": {str(t): {"prefill": list(p), "decode": list(d)} for t, (p, d) in sorted(self.by_threads.items())},
             "points": self.points,
         }
@@ -72,7 +81,8 @@ def load_gen_cost_model(path: str) -> GenCostModel:
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a generation cost model (format {data.get('format')!r}, expected {FORMAT}); `selftune profile --task generate` writes one")
     by_threads = {int(t): (tuple(c["prefill"]), tuple(c["decode"])) for t, c in data["by_threads"].items()}
-    return GenCostModel(by_threads, data.get("max_positions", 2048), data.get("kv_values_per_token", 0), data.get("model", ""), data.get("machine", ""), data.get("points", []))
+    return GenCostModel(by_threads, data.get("max_positions", 2048), data.get("kv_values_per_token", 0), data.get("model", ""), data.get("machine", ""),
+                        data.get("points", []), data.get("dtype", "float32"), data.get("choice", {}))
 
 
 def fit(points: list) -> dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]:

@@ -1,6 +1,7 @@
 """`selftune profile --task generate`: time the real runner's steps and fit the generation cost model.
 
-In this process, the model loaded through the server's own path (fp32), the engine's
+In this process, the model loaded through the server's own path, in the dtype the server would
+serve (`model.dtype: auto`: the zygote's own choice, made in a spawned child), the engine's
 `GenerationRunner` stepped as a worker steps it: prefill-only steps of one prompt of n tokens,
 and decode-only steps of r rows over about c columns, at each thread count. Every point is the
 median of a few repeats (this machine's speed drifts; other processes share it). The full grid
@@ -19,11 +20,12 @@ QUICK = {"threads": (1, 2), "prefill": (8, 32, 96, 192), "rows": (1, 4, 8), "col
 FULL = {"threads": (1, 2), "prefill": (16, 64, 256, 512), "rows": (1, 4, 16), "columns": (32, 256, 512), "repeats": 2}
 
 
-def profile_generation(model_spec: str, grid: dict = QUICK, say=lambda msg: None, save_to: str | None = None) -> GenCostModel:
+def profile_generation(model_spec: str, grid: dict = QUICK, say=lambda msg: None, save_to: str | None = None, dtype: str = "auto") -> GenCostModel:
     """The fitted model; with `save_to`, saved after each thread count too (a long profile cut
     short keeps what it measured)."""
     import torch
 
+    from autotune.bench.limit import served_choice
     from engine.config import EngineConfig
     from engine.generation import GenerationRunner
     from engine.loading import load_model, load_tokenizer, model_info
@@ -31,7 +33,9 @@ def profile_generation(model_spec: str, grid: dict = QUICK, say=lambda msg: None
 
     source = resolve_model(model_spec, EngineConfig().cache_dir)
     info = model_info(source.path, load_tokenizer(source.path))
-    model = load_model(source.path, "generate", torch.float32)
+    choice = served_choice(source.path, dtype, task="generate")
+    say(f"profiling in {choice['dtype']} (model.dtype {dtype}: {choice['reason']})")
+    model = load_model(source.path, "generate", getattr(torch, choice["dtype"]))
     limit = info.max_length
     points = []
     for threads in grid["threads"]:
@@ -44,7 +48,8 @@ def profile_generation(model_spec: str, grid: dict = QUICK, say=lambda msg: None
                 seconds = _decode_step(GenerationRunner(model, (), max_running=rows), rows, columns, grid["repeats"])
                 points.append([threads, 0, rows, columns, seconds])
         say(f"profiled {threads} thread(s): {len(points)} points")
-        model_so_far = GenCostModel(fit(points), limit, info.kv_values_per_token, model_spec, f"{platform.processor() or platform.machine()}, {len(_cpus())} cpus", points)
+        machine = f"{platform.processor() or platform.machine()}, {len(_cpus())} cpus"
+        model_so_far = GenCostModel(fit(points), limit, info.kv_values_per_token, model_spec, machine, points, choice["dtype"], choice)
         if save_to:
             model_so_far.save(save_to)
     return model_so_far
