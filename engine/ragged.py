@@ -12,7 +12,8 @@ split by part, in the attention function registered below, each part against its
 
 `StepCache` is the cache the model sees for that one call: its `update` appends each part's new
 keys and values to the part's own cache and hands the attention function all of them, per part.
-Any other call of a model switched by `enable` runs transformers' own sdpa attention unchanged.
+Any other call of a model switched by `enable` runs transformers' own sdpa attention, only
+computed in fp32 on a CPU when the model is in bf16 or fp16 (`_sdpa`), as the parts are.
 """
 
 from __future__ import annotations
@@ -70,17 +71,30 @@ class StepCache:
         return _PerPart(self.parts, keys), _PerPart(self.parts, values)
 
 
+def _sdpa(module, query, key, value, mask, **kwargs):
+    """transformers' sdpa; on a CPU in bf16 or fp16 computed in fp32 and cast back. torch's CPU
+    kernel for half-precision attention is several times slower than fp32's on decode queries
+    (docs/BENCHMARKS.md, "Generation in bf16"), and never faster on prompts; the conversion
+    costs less than the difference."""
+    if query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16):
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.float()
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, **kwargs)
+    return out.to(query.dtype), weights
+
+
 def ragged_attention(module, query, key, value, attention_mask, **kwargs):
     """sdpa per part of a ragged call; any other call is plain sdpa."""
     if not isinstance(key, _PerPart):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return _sdpa(module, query, key, value, attention_mask, **kwargs)
     outputs, start = [], 0
     for part, k, v in zip(key.parts, key.tensors, value.tensors):
         q = query[:, :, start:start + part.tokens]
         start += part.tokens
         if part.decode:
             q = q.permute(2, 1, 0, 3)
-        out, _ = sdpa_attention_forward(module, q, k, v, part.mask, **kwargs)  # [rows, queries, heads, dim]
+        out, _ = _sdpa(module, q, k, v, part.mask, **kwargs)  # [rows, queries, heads, dim]
         outputs.append(out.reshape(1, part.tokens, *out.shape[2:]))
     return torch.cat(outputs, dim=1), None
 

@@ -130,6 +130,16 @@ def test_profiling_the_real_runner_gives_a_cost_model_per_thread_count(tiny_caus
         load_gen_cost_model(os.path.join(ROOT, "configs", "costmodels", "epyc-2core-minilm.json"))
 
 
+
+def test_the_shipped_generation_cost_models_say_their_dtype():
+    from autotune import shipped
+    from autotune.offline.gen_cli import DEFAULT_GEN_COST_MODELS
+
+    for dtype, spec in DEFAULT_GEN_COST_MODELS.items():
+        model = load_gen_cost_model(str(shipped.resolve(spec, shipped.COST_MODEL)))
+        assert model.dtype == dtype and sorted(model.by_threads) == [1, 2]
+
+
 def test_a_step_that_prefills_beside_the_decode_pays_for_one_model_call():
     prefill, decode = COST.step_seconds(32, 0, 0, 1), COST.step_seconds(0, 4, 100, 1)
     both = COST.step_seconds(32, 4, 100, 1)

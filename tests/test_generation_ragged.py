@@ -86,3 +86,23 @@ def test_a_chunk_attends_over_its_earlier_chunks_and_itself_only():
     assert mask.shape == (1, 1, 2, 5)
     assert mask[0, 0].tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
     assert ragged.causal_after(past=0, queries=4, device="cpu") is None  # plain causal
+
+
+def test_half_precision_attention_is_computed_in_fp32_on_a_cpu(llama):
+    """torch's CPU attention kernel is slow in bf16 on decode queries: the parts (and plain calls)
+    run it on fp32 copies and cast the result back; fp32 inputs go through untouched."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = llama.model.layers[0].self_attn  # 4 query heads over 2 key/value heads
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 1, 16, dtype=torch.bfloat16)
+    k, v = torch.randn(3, 2, 10, 16, dtype=torch.bfloat16), torch.randn(3, 2, 10, 16, dtype=torch.bfloat16)
+    mask = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :4] = False  # a left-padded row
+    out, _ = ragged._sdpa(module, q, k, v, mask)
+    want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.to(torch.bfloat16))
+    additive = torch.zeros(3, 1, 1, 10, dtype=torch.bfloat16).masked_fill(~mask, float("-inf"))  # a float mask is upcast with them
+    assert torch.equal(ragged._sdpa(module, q, k, v, additive)[0], out)
+    plain, _ = ragged._sdpa(module, q.float(), k.float(), v.float(), mask)
+    assert plain.dtype == torch.float32 and torch.equal(plain, want)
