@@ -107,7 +107,9 @@ class SelftuneCollector(Collector):
         for key, name, doc in (
             ("min_cosine", "selftune_model_dtype_min_cosine", "Worst cosine of the served dtype's embeddings to fp32's on the start-up probe set (1 for fp32)"),
             ("bf16_min_cosine", "selftune_model_bf16_min_cosine", "Worst cosine of bf16's embeddings to fp32's on the start-up probe set, as probed"),
-            ("bf16_speedup", "selftune_model_bf16_speedup_ratio", "bf16's probe batch speed over fp32's, measured interleaved at start-up"),
+            ("bf16_speedup", "selftune_model_bf16_speedup_ratio", "bf16's probe batch (generation: decode step) speed over fp32's, measured interleaved at start-up"),
+            ("bf16_token_agreement", "selftune_model_bf16_token_agreement_ratio",
+             "Generation: share of the probe positions where bf16's greedy next token is fp32's or a near tie of it"),
             ("onnxruntime_min_cosine", "selftune_model_onnxruntime_min_cosine", "Worst cosine of ONNX Runtime's embeddings to torch fp32's on the start-up probe set, as probed"),
             ("onnxruntime_speedup", "selftune_model_onnxruntime_speedup_ratio", "ONNX Runtime's probe batch speed over torch fp32's, measured interleaved at start-up"),
         ):

@@ -3,10 +3,12 @@ LM, and the engine's choice with native bf16 forced off and on."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from autotune.bench.server import ServerProcess
 from engine.config import EngineConfig, Knobs
 from engine.engine import Engine
 from engine.gen_dtype import MIN_TOKEN_AGREEMENT, decide_generation_dtype, probe_generation_dtype
@@ -44,18 +46,34 @@ def test_the_probe_compares_every_position_and_leaves_the_model_as_it_was(tiny_c
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("native", ["0", "1"])
-def test_the_engine_serves_what_the_choice_says(tiny_causal_lm, monkeypatch, native):
-    monkeypatch.setenv(NATIVE_BF16_ENV, native)  # the zygote inherits it: a CPU without (or with) native bf16
+def test_a_cpu_without_native_bf16_stays_on_fp32(tiny_causal_lm, monkeypatch):
+    monkeypatch.setenv(NATIVE_BF16_ENV, "0")  # the zygote inherits it: a CPU without avx512_bf16/AMX
     config = EngineConfig(model=tiny_causal_lm, task="generate", knobs=Knobs(process_count=1, max_batch_size=2))
     with Engine(config) as eng:
         choice = eng.dtype_choice
-        assert choice["requested"] == "auto" and eng.dtype == choice["dtype"]
-        if native == "0":
-            assert choice["dtype"] == "float32" and choice["reason"] == f"no native bf16 ({NATIVE_BF16_ENV}=0)" and "bf16_speedup" not in choice
-        else:  # probed: the decision follows what the probe measured on this machine
-            assert 0 < choice["bf16_token_agreement"] <= 1 and choice["bf16_speedup"] > 0
-            faithful_and_fast = choice["bf16_token_agreement"] >= MIN_TOKEN_AGREEMENT and choice["bf16_speedup"] >= MIN_SPEEDUP
-            assert choice["dtype"] == ("bfloat16" if faithful_and_fast else "float32")
+        assert choice["requested"] == "auto" and eng.dtype == choice["dtype"] == "float32"
+        assert choice["reason"] == f"no native bf16 ({NATIVE_BF16_ENV}=0)" and "bf16_speedup" not in choice
         tokens = [e.token_id for e in eng.generate([101, 7592, 2088], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))]
         assert len(tokens) == 5
+
+
+def test_the_server_serves_what_the_probe_chose_and_shows_it(tiny_causal_lm, monkeypatch, tmp_path):
+    monkeypatch.setenv(NATIVE_BF16_ENV, "1")  # the server's zygote inherits it: a CPU with native bf16
+    config = {"model": {"name": tiny_causal_lm, "task": "generate"}, "concurrency": {"process_count": 1}, "autotune": {"enabled": False}}
+    srv = ServerProcess(tmp_path, config)
+    try:
+        model = httpx.get(srv.url + "/stats").json()["model"]
+        choice = model["dtype_choice"]
+        assert choice["requested"] == "auto" and model["dtype"] == choice["dtype"]
+        # probed: the decision follows what the probe measured on this machine
+        assert 0 < choice["bf16_token_agreement"] <= 1 and choice["bf16_speedup"] > 0
+        faithful_and_fast = choice["bf16_token_agreement"] >= MIN_TOKEN_AGREEMENT and choice["bf16_speedup"] >= MIN_SPEEDUP
+        assert choice["dtype"] == ("bfloat16" if faithful_and_fast else "float32")
+        metrics = httpx.get(srv.url + "/metrics").text
+        line = next(x for x in metrics.splitlines() if x.startswith("selftune_model_bf16_token_agreement_ratio "))
+        assert float(line.split()[-1]) == pytest.approx(choice["bf16_token_agreement"]) and f'dtype="{choice["dtype"]}"' in metrics
+        done = httpx.post(srv.url + "/v1/completions", json={"model": httpx.get(srv.url + "/v1/models").json()["data"][0]["id"], "prompt": "hello", "max_tokens": 5, "ignore_eos": True}, timeout=60)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 5
+        assert f"dtype {choice['dtype']}" in srv.log() and "near tie" in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()
