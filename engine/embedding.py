@@ -190,7 +190,7 @@ def probe_dtype(model, device: str, candidate, ids: list[list[int]], rounds: int
     Fidelity: each probe input's embedding from the candidate, in the packed and the padded
     batch (from another backend, as it serves), against fp32's padded batch (which equals each
     input alone); the worst cosine. Speed (`timing`): the probe batch in each, in turns whose
-    order rotates (engine.embedding._interleaved). Leaves `model` as it was; the copy costs one
+    order rotates (engine.embedding.interleaved). Leaves `model` as it was; the copy costs one
     model's memory while it lives. `others`' results are under "others": {name: {min_cosine,
     ms, speedup}}."""
     import copy
@@ -222,7 +222,7 @@ def probe_dtype(model, device: str, candidate, ids: list[list[int]], rounds: int
         runners[name] = runner
         result["others"][name] = {"min_cosine": float((embed(runner) * want).sum(axis=1).min())}
     if timing:
-        times = _interleaved(runners, embed, rounds, warm=set(runners) - {"float32"})
+        times = interleaved(runners, embed, rounds, warm=set(runners) - {"float32"})
         result["float32_ms"] = times["float32"]
         if candidate is not None:
             result["candidate_ms"] = times["candidate"]
@@ -233,7 +233,7 @@ def probe_dtype(model, device: str, candidate, ids: list[list[int]], rounds: int
     return result
 
 
-def _interleaved(runners: dict, embed, rounds: int, warm: set = frozenset()) -> dict[str, list[float]]:
+def interleaved(runners: dict, embed, rounds: int, warm: set = frozenset()) -> dict[str, list[float]]:
     """Milliseconds per call of `embed(runner)` for each runner: one warm-up each not in `warm`
     (the first forward at a shape pays for it; the fidelity check has run the others), then
     `rounds` rounds whose order rotates (A B C, B C A, ...) so each shares the machine's good

@@ -31,6 +31,7 @@ def probe_generation_dtype(model, ids: list[list[int]], eos_token_ids=(), rounds
     steps, the two dtypes' rounds interleaved). Leaves `model` as it was."""
     import torch
 
+    from engine.embedding import interleaved
     from engine.generation import GenerationRunner, SequenceRequest
     from engine.sampling import SamplingParams
 
@@ -53,13 +54,9 @@ def probe_generation_dtype(model, ids: list[list[int]], eos_token_ids=(), rounds
         for row in range(PROBE_ROWS):
             runner.add(SequenceRequest(row, tuple(ids[row % len(ids)]), params))
         runner.step()  # the prefill, untimed
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for r in range(rounds):
-        for name in list(runners)[r % 2 :] + list(runners)[: r % 2]:
-            t = time.perf_counter()
-            for _ in range(steps):
-                runners[name].step()
-            times[name].append(round((time.perf_counter() - t) * 1e3 / steps, 2))
+    # the embedding probe's rotating rounds; the prefill above warmed both runners
+    per_round = interleaved(runners, lambda runner: [runner.step() for _ in range(steps)], rounds, warm=set(runners))
+    times = {name: [round(ms / steps, 2) for ms in values] for name, values in per_round.items()}
     return {
         "probe_texts": len(ids), "positions": total, "token_agreement": near / max(total, 1), "top1_agreement": same / max(total, 1),
         "mean_kl": kl / max(total, 1),
