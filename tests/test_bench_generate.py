@@ -131,19 +131,26 @@ def test_generation_limit_on_the_tiny_model(tiny_causal_lm):
     from autotune.bench.gen_limit import measure_generation_limit
 
     lines = []
-    limit = measure_generation_limit(tiny_causal_lm, cores=2, prompt_tokens=16, batch_sizes=(1, 4), duration=0.2, say=lines.append)
+    pairs = [(12, 3), (30, 9), (5, 1), (20, 6)]
+    limit = measure_generation_limit(tiny_causal_lm, cores=2, prompt_tokens=16, batch_sizes=(1, 4), duration=0.2, say=lines.append,
+                                     pairs=pairs, mix_duration=0.3)
     # both layouts that fill the cores; 2 × 1 splits the sequences, so its smallest batch is 2 × 1
     assert set(limit["table"]["1x2"]) == {1, 4} and set(limit["table"]["2x1"]) == {2, 4} and limit["prompt_tokens"] == 16
     cells = [v for row in limit["table"].values() for v in row.values()]
     assert all(v > 0 for v in cells) and limit["tokens_per_second"] == max(cells)
     assert limit["table"][f"{limit['processes']}x{limit['threads']}"][limit["batch_size"]] == limit["tokens_per_second"]
     assert all(v > 0 for row in limit["prefill_tokens_per_second"].values() for v in row.values())
-    assert lines[0].startswith("limit 1x2, prompts of 16 tokens: B=1:") and lines[1].startswith("limit 2x1")
+    assert lines[0].startswith("limit 1x2, prompts of 16 tokens: B=1:") and lines[2].startswith("limit 2x1")
+    # serving the requests themselves (closed loop, prefill included), per layout at the same batch sizes
+    assert set(limit["with_prefill"]["1x2"]) == {1, 4} and set(limit["with_prefill"]["2x1"]) == {2, 4}
+    assert all(v > 0 for row in limit["with_prefill"].values() for v in row.values())
+    assert lines[1].startswith("limit 1x2, serving the requests (prefill included): B=1:")
 
 
 def test_table_and_verdicts_set_the_best_mode_against_the_limit_at_its_batch():
     limit = {"tokens_per_second": 200.0, "batch_size": 32, "processes": 1, "threads": 2, "prompt_tokens": 64, "dtype": "bfloat16",
-             "table": {"1x2": {1: 20.0, 8: 80.0, 32: 200.0}, "2x1": {2: 30.0, 8: 60.0, 32: 150.0}}}
+             "table": {"1x2": {1: 20.0, 8: 80.0, 32: 200.0}, "2x1": {2: 30.0, 8: 60.0, 32: 150.0}},
+             "with_prefill": {"1x2": {"1": 10.0, "8": 40.0, "32": 90.0}, "2x1": {"2": 12.0, "8": 50.0, "32": 70.0}}}  # keys as JSON gives them back
     at = {"output_tokens_per_s": 60.0, "running": 8.0, "goodput": 1.0, "ttft_p50": 0.2, "ttft_p99": 1.5, "itl_p50": 0.1, "itl_p99": 0.2,
           "e2e_mean": 3.0, "e2e_p99": 5.0, "cpu_cores": 1.9}
     tuned = ModeResult("autotuned", "", {}, {}, max_qps=1.0, at_max=at)
@@ -151,10 +158,12 @@ def test_table_and_verdicts_set_the_best_mode_against_the_limit_at_its_batch():
     lines = generation_verdicts([fixed, tuned], limit)
     assert lines[0].startswith("best served mode autotuned: 60.0 output tokens/s at 1.00 req/s = 0.30 × the limit")
     assert "the in-process decode limit is 80.0 tok/s: 0.75 × that" in lines[1]
+    assert lines[2].endswith("(prefill included), the limit is 50.0 tok/s: 1.20 × that")  # the better layout at B=8
     assert lines[-1] == "autotuned ahead of: multiprocess"
     table = generation_table([fixed, tuned], limit, 2.0, 0.25)
     assert "| autotuned |  | **1.00** | 60.0 | 1.00 | 200 / 1500 | 100 / 200 |" in table
     assert "| limit | in-process decode, no server: 1 × 2, bfloat16, prompts of 64 tokens (B=1: 20, B=8: 80, B=32: 200 tok/s) |" in table
+    assert "(1 × 2: B=1: 10, B=8: 40, B=32: 90; 2 × 1: B=2: 12, B=8: 50, B=32: 70 tok/s) | | **90.0** (1 × 2, B=32) |" in table
 
 
 def run_bench(*args, timeout=300):

@@ -42,7 +42,7 @@ def run_generate_bench(args) -> int:
     say, started, cores, (names, modes, grid, table, workload), out, machine = start
     model = args.model or DEFAULT_MODEL
     path, context, builder = _model(model, say)
-    requests, body = _requests(args, table, context, builder, model, say)
+    requests, body, pairs = _requests(args, table, context, builder, model, say)
     limit = None
     if not (args.no_limit or args.url or workload is not None):
         from autotune.bench.gen_limit import measure_generation_limit
@@ -51,7 +51,7 @@ def run_generate_bench(args) -> int:
         choice = served_choice(path, "auto", task="generate")  # what the modes' servers serve (model.dtype: auto)
         say(f"limit: {model} in-process (GenerationRunner, {choice['dtype']}: {choice['reason']}), no server")
         limit = measure_generation_limit(path, cores, int(requests["prompt_tokens_median"]), duration=1.0 if args.quick else 2.0, say=say,
-                                         dtype=choice["dtype"])
+                                         dtype=choice["dtype"], pairs=pairs, mix_duration=5.0 if args.quick else 10.0)
     plan = _plan(args, _capacity_estimate(limit, requests), gen_inputs.path_of(args.api))
     csv_file, writer = new_request_log(os.path.join(out, "requests.csv"), GEN_REQUEST_COLUMNS)
     logs: dict[str, GenRunLog] = {}
@@ -81,8 +81,9 @@ def run_generate_bench(args) -> int:
     return finish_bench(args, summary, table_md, out, say)
 
 
-def _requests(args, table, context: int, builder, model: str, say) -> tuple[dict, object]:
-    """(what the requests are, for the summary; body(i), request i of every step, the same for every mode)."""
+def _requests(args, table, context: int, builder, model: str, say) -> tuple[dict, object, list[tuple[int, int]]]:
+    """(what the requests are, for the summary; body(i), request i of every step, the same for every mode;
+    their (prompt, output) lengths)."""
     max_out = min(args.max_output_tokens or (64 if args.quick else 128), context - builder.specials - 1)
     max_prompt = max(1, min(args.max_prompt_tokens or (256 if args.quick else 512), context - max_out))
     pairs = gen_inputs.draw_lengths(table, 256, args.seed, max_prompt, max_out, min_prompt=builder.specials + 1)
@@ -93,7 +94,7 @@ def _requests(args, table, context: int, builder, model: str, say) -> tuple[dict
         f"outputs {int(outputs.min())}-{int(outputs.max())} (mean {outputs.mean():.1f}), from {args.trace}")
     requests = {"trace": args.trace, "max_prompt_tokens": max_prompt, "max_output_tokens": max_out, "pairs": len(pairs),
                 "prompt_tokens_median": float(np.median(prompts)), "output_tokens_mean": float(outputs.mean())}
-    return requests, lambda i: bodies[i % len(bodies)]
+    return requests, lambda i: bodies[i % len(bodies)], pairs
 
 
 def _parse(args, cores: int):

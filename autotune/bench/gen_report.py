@@ -40,7 +40,17 @@ def generation_table(results: list[ModeResult], limit: dict | None, ttft_slo: fl
             f"| limit | in-process decode, no server: {limit['processes']} × {limit['threads']}, {limit.get('dtype', 'float32')}, prompts of {limit['prompt_tokens']} tokens ({cells} tok/s) | | "
             f"**{limit['tokens_per_second']:.1f}** (B={limit['batch_size']}) | | | | | {limit['batch_size']} | | | |"
         )
+        if limit.get("with_prefill"):
+            lines.append(_with_prefill_row(limit["with_prefill"]))
     return "\n".join(lines)
+
+
+def _with_prefill_row(mix: dict[str, dict[int, float]]) -> str:
+    """The limit serving the bench's own requests (prefill included): each layout's cells, the best one in bold."""
+    layout, batch = max(((n, b) for n in mix for b in mix[n]), key=lambda k: mix[k[0]][k[1]])
+    cells = "; ".join(f"{n.replace('x', ' × ')}: " + ", ".join(f"B={b}: {v:.0f}" for b, v in row.items()) for n, row in mix.items())
+    return (f"| limit, these requests | in-process, prefill included (whole prompts per step), no server ({cells} tok/s) | | "
+            f"**{mix[layout][batch]:.1f}** ({layout.replace('x', ' × ')}, B={batch}) | | | | | {batch} | | | |")
 
 
 def generation_workload_table(results: list[ModeResult], ttft_slo: float, itl_slo: float) -> str:
@@ -77,6 +87,10 @@ def generation_verdicts(results: list[ModeResult], limit: dict | None) -> list[s
             at_batch = limit_at_batch(limit["table"], running)
             lines.append(f"at the batch it ran ({running:.1f} sequences running, all workers), the in-process decode limit is "
                          f"{at_batch:.1f} tok/s: {tokens / at_batch:.2f} × that")
+            if limit.get("with_prefill"):
+                served = limit_at_batch(limit["with_prefill"], running)
+                lines.append(f"serving these requests in-process at that batch (prefill included), the limit is {served:.1f} tok/s: "
+                             f"{tokens / served:.2f} × that")
     lines += tuned_verdicts(results, lambda qps: f"{qps:.2f} req/s", lambda r, f, _oracle: f"{r.max_qps:.2f} vs {f.max_qps:.2f} req/s")
     return lines
 
