@@ -12,7 +12,10 @@ makes at most one move, the first of these that applies:
    worker's cache holds at its rows' current width (with 10 % to spare), fewer running sequences:
    down to that, by at most decrease_factor a decision; else hold (the rows outgrew the cache
    while running: the preemptions themselves bring it back);
-3. ITL p99 over its objective: a decode step is too slow. If the prompt tokens one step prefills
+3. ITL p99 over its objective: a decode step is too slow. With `ttft_first`, while capacity is
+   short (TTFT over, or sequences queued with too few first tokens to judge it) and the mean gap
+   is within the objective, ITL yields: TTFT's moves (4.) decide, or the policy holds. Else, if
+   the prompt tokens one step prefills
    (a mean prompt, the prompt tokens arriving during one step, or those waiting in the workers) pass
    half of max_batch_tokens, cut it: at least in half, and in proportion (to a quarter at most)
    when ITL p99 is far over (a step that prefills a whole chunk is the slow one), not below
@@ -27,8 +30,10 @@ makes at most one move, the first of these that applies:
    again for `retry_seconds`.
    One worker that has every thread already makes the opposite bet, judged the same way: one
    more worker, the rows split over both;
-4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective): when
-   sequences queue (in the front or in a worker) and batches are full, a larger batch (+
+4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective; with
+   `ttft_first` and sequences queued, the mean gap's headroom will do): when prompts wait inside
+   the workers for their prefill, larger prefill chunks (× 2: fewer weight reads per prompt
+   token); when sequences queue (in the front or in a worker) and batches are full, a larger batch (+
    `growth_step`; continuous batching makes more tokens per second at a larger batch), else one
    more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
    prefill: a larger max_batch_tokens (fewer steps per prompt). Without ITL headroom capacity is
@@ -78,6 +83,9 @@ class GenerateParams(Params):
     """A layout bet stays only if ITL p50 (more threads) or the busy cores per output token (more workers) then fall by this share."""
     retry_seconds: float = Field(300.0, ge=0)
     """How long a layout bet that did not pay is not made again."""
+    ttft_first: bool = True
+    """When capacity is short (TTFT over, or sequences queue), ITL p99 yields to TTFT while the mean
+    inter-token gap holds: the chunk is not cut, and TTFT's moves may grow it."""
 
 
 class GeneratePolicy:
@@ -111,7 +119,7 @@ class GeneratePolicy:
         move = (
             self._judge_bet(observation, knobs, ttft_over)
             or self._kv_thrash(observation, knobs, bounds)
-            or (self._itl_over(observation, knobs, bounds, short) if itl.p99 > p.itl_p99_seconds else None)
+            or (self._itl_over(observation, knobs, bounds, short, ttft_over) if itl.p99 > p.itl_p99_seconds else None)
             or (self._ttft_over(observation, knobs, bounds) if ttft_over else None)
         )
         if move is None:
@@ -142,8 +150,14 @@ class GeneratePolicy:
         smaller = max(fits, int(knobs.max_batch_size * self.params.decrease_factor))
         return knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", smaller)), f"{why}: {fits} rows of {width:.0f} slots fit the KV cache"
 
-    def _itl_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, short: bool) -> tuple[Knobs, str]:
+    def _itl_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, short: bool, ttft_over: bool) -> tuple[Knobs, str] | None:
         p, itl = self.params, observation.load.latency["itl"]
+        if short and p.ttft_first and itl.mean is not None and itl.mean <= p.itl_p99_seconds:
+            # A queued request that misses its first-token objective is lost whole; a stream that
+            # stalls now and then while a chunk prefills keeps its pace on average. TTFT decides.
+            if ttft_over:
+                return None
+            return knobs, "ITL over but its mean within the objective, sequences queued, too few first tokens to judge TTFT: capacity short, holding"
         chunk = knobs.max_batch_tokens
         half = max(p.min_batch_tokens, chunk // 2) if chunk else 256  # 0 prefilled whole prompts: start chunking
         if (chunk == 0 or chunk > p.min_batch_tokens) and _prefill_per_step(observation) > half:
@@ -200,22 +214,28 @@ class GeneratePolicy:
                       f"more {bet.kind} did not pay (by {gain:.0%}); back, not again for {self.params.retry_seconds:g} s")
 
     def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str]:
-        itl = observation.load.latency["itl"]
+        p, itl = self.params, observation.load.latency["itl"]
         queueing = _queueing(observation)
-        if itl.p99 > self.params.headroom * self.params.itl_p99_seconds:
+        room = p.headroom * p.itl_p99_seconds
+        # With ttft_first, a queue may spend ITL's tail (not its mean) on TTFT.
+        if itl.p99 > room and not (p.ttft_first and queueing and itl.mean is not None and itl.mean <= room):
             why = f"TTFT over but ITL has no headroom (> {self.params.headroom:g} × its objective): capacity short"
             if queueing and knobs.threads_per_process > 1:
                 # Fewer threads per step may cost ITL, or nothing where a step does not speed up with
                 # threads (SmolLM2 on two EPYC cores): then two workers decode twice the rows. A bet.
                 return self._bet_on_layout(observation, knobs, bounds, "workers", "cost", f"{why}, sequences queue: one more worker")
             return knobs, f"{why}, holding"
+        chunk = knobs.max_batch_tokens * 2 if knobs.max_batch_tokens else 0
+        if any(w.waiting_sequences for w in _ready(observation)) and chunk and chunk <= bounds.max_batch_tokens[1]:
+            # Prompts wait inside the workers for their prefill: larger chunks read the weights
+            # fewer times per prompt token, so the workers prefill more tokens a second.
+            return knobs.replace(max_batch_tokens=chunk), "TTFT over, prompts wait in the workers: larger prefill chunks"
         full = self._batches_full(observation, knobs)
         if queueing and full and knobs.max_batch_size < bounds.max_batch_size[1]:
             grown = clamp_knob(bounds, "max_batch_size", knobs.max_batch_size + self.params.growth_step)
             return knobs.replace(max_batch_size=grown), "TTFT over, sequences queue behind full batches: a larger batch"
         if queueing:
             return self._bet_on_layout(observation, knobs, bounds, "workers", "cost", "TTFT over, sequences queue: one more worker")
-        chunk = knobs.max_batch_tokens * 2 if knobs.max_batch_tokens else 0
         return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", chunk)), "TTFT over, nothing queues: larger prefill chunks"
 
     def _batches_full(self, observation: Observation, knobs: Knobs) -> bool:

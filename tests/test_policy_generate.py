@@ -66,15 +66,19 @@ def test_itl_over_at_the_chunk_floor_shrinks_full_batches_else_gives_each_step_m
     assert decode_only.knobs.max_batch_tokens == 256 and decode_only.knobs.process_count == 1
 
 
-def test_ttft_over_with_itl_headroom_grows_the_batch_then_the_workers():
+def test_ttft_over_with_itl_headroom_grows_the_chunk_for_waiting_prompts_then_the_batch_then_the_workers():
     queued = gen_obs(0, ttft=3.0, itl=0.1, held=16, queue_depth=5)
     assert decide(queued).knobs.max_batch_size == 20
     at_most = dataclasses.replace(TWO_CORES, max_batch_size=(1, 16))
     one_worker = START.replace(process_count=1, threads_per_process=2)
     more = GeneratePolicy().decide(gen_obs(0, ttft=3.0, itl=0.1, held=16, queue_depth=5, workers=1), one_worker, at_most)
     assert (more.knobs.process_count, more.knobs.threads_per_process) == (2, 1) and "one more worker" in more.reason
-    waiting_in_worker = decide(gen_obs(0, ttft=3.0, itl=0.1, held=4, waiting=2), one_worker)
-    assert waiting_in_worker.knobs.process_count == 2  # not full: the batch is not what holds them
+    # prompts wait inside a worker for their prefill, even behind full batches: the chunk is what holds them
+    for held in (4, 16):
+        waiting_in_worker = decide(gen_obs(0, ttft=3.0, itl=0.1, held=held, waiting=2, queue_depth=5), one_worker)
+        assert waiting_in_worker.knobs == one_worker.replace(max_batch_tokens=512) and "prompts wait in the workers" in waiting_in_worker.reason
+    whole_prompts = one_worker.replace(max_batch_tokens=0)  # nothing larger to give: one more worker
+    assert decide(gen_obs(0, ttft=3.0, itl=0.1, held=4, waiting=2), whole_prompts).knobs.process_count == 2
 
 
 def test_ttft_over_with_nothing_queued_prefills_in_larger_chunks():
@@ -83,8 +87,25 @@ def test_ttft_over_with_nothing_queued_prefills_in_larger_chunks():
 
 
 def test_ttft_over_without_itl_headroom_holds_and_says_capacity_is_short():
-    decision = decide(gen_obs(0, ttft=3.0, itl=0.2, held=16, queue_depth=5))
+    decision = decide(gen_obs(0, ttft=3.0, itl=0.2, itl_mean=0.19, held=16, queue_depth=5))  # every step slow: no headroom
     assert decision.knobs == START and "capacity short" in decision.reason
+
+
+def test_with_a_queue_the_itl_tail_yields_to_ttft_while_the_mean_gap_holds():
+    """Prefill steps make ITL's tail (p99 300 ms) while the rows keep their pace (mean 120 ms):
+    with sequences queued and TTFT over, the chunk is not cut and TTFT's moves go on; without the
+    queue, or with ttft_first off, or with the mean over too, ITL p99 is met first as before."""
+    tail = dict(itl=0.3, itl_mean=0.12)
+    grows = decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, waiting=2, **tail))
+    assert grows.knobs == START.replace(max_batch_tokens=512) and "prompts wait in the workers" in grows.reason
+    assert decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, **tail)).knobs == START.replace(max_batch_size=20)
+    calm = decide(gen_obs(0, ttft=1.0, **tail))  # TTFT met: ITL p99 is the objective to meet
+    assert calm.knobs.max_batch_tokens < 256 and "smaller prefill chunks" in calm.reason
+    assert decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, **tail), ttft_first=False).knobs.max_batch_tokens < 256
+    slow = decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, itl=0.3, itl_mean=0.27))  # the pace itself is lost
+    assert slow.knobs.max_batch_tokens < 256
+    unjudged = decide(gen_obs(0, ttft=None, first_tokens=0, held=16, queue_depth=5, **tail))  # too few first tokens: hold
+    assert unjudged.knobs == START and "capacity short" in unjudged.reason
 
 
 def test_a_change_is_followed_by_a_cooldown():
@@ -97,14 +118,15 @@ def test_a_change_is_followed_by_a_cooldown():
 
 def test_a_queueing_load_settles_on_the_largest_batch_whose_itl_meets_the_objective():
     """A plant where a decode step costs 20 ms + 10 ms per running sequence and the queue stays
-    until the batch reaches 24: the batch grows while ITL has headroom, then holds, never cycling."""
+    until the batch reaches 24 (every step alike, so the mean gap is the p99): the batch grows while
+    ITL has headroom, then holds, never cycling."""
     policy = GeneratePolicy()
     knobs = START.replace(max_batch_size=4)
     sizes = []
     for step in range(40):
         size = knobs.max_batch_size
         itl = 0.02 + 0.01 * size
-        decision = policy.decide(gen_obs(step * 5.0, ttft=3.0 if size < 24 else 1.0, itl=itl, held=size, queue_depth=5), knobs, TWO_CORES)
+        decision = policy.decide(gen_obs(step * 5.0, ttft=3.0 if size < 24 else 1.0, itl=itl, itl_mean=itl, held=size, queue_depth=5), knobs, TWO_CORES)
         knobs = decision.knobs
         sizes.append(knobs.max_batch_size)
     assert sizes[-1] == 16 and sizes[-10:] == [16] * 10  # 20 ms + 160 ms = 180 ms > 0.7 × 250 ms: stop growing
@@ -205,17 +227,17 @@ def test_capacity_short_on_one_worker_of_two_threads_bets_on_a_second_worker_jud
     the cores busy per output token fell by 10 % (1.8 cores for 20 tokens/s, then for 40), undone
     (and not retried for retry_seconds) when they did not (1.8 for 21)."""
     one = START.replace(process_count=1, threads_per_process=2)
-    short = dict(ttft=3.0, itl=0.24, held=16, queue_depth=5, workers=1)
+    short = dict(ttft=3.0, itl=0.24, itl_mean=0.22, held=16, queue_depth=5, workers=1)
     policy = GeneratePolicy()
     split = policy.decide(gen_obs(0, tokens=200, **short), one, TWO_CORES)
     assert (split.knobs.process_count, split.knobs.threads_per_process) == (2, 1) and "one more worker" in split.reason
-    settle(policy, gen_obs(11, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=400), split.knobs)
-    kept = policy.decide(gen_obs(21, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=400), split.knobs, TWO_CORES)
+    settle(policy, gen_obs(11, ttft=3.0, itl=0.24, itl_mean=0.22, held=16, queue_depth=5, tokens=400), split.knobs)
+    kept = policy.decide(gen_obs(21, ttft=3.0, itl=0.24, itl_mean=0.22, held=16, queue_depth=5, tokens=400), split.knobs, TWO_CORES)
     assert kept.knobs == split.knobs
     unpaid = GeneratePolicy()
     moved = unpaid.decide(gen_obs(0, tokens=200, **short), one, TWO_CORES).knobs
-    settle(unpaid, gen_obs(11, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=210), moved)
-    back = unpaid.decide(gen_obs(21, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=210), moved, TWO_CORES)
+    settle(unpaid, gen_obs(11, ttft=3.0, itl=0.24, itl_mean=0.22, held=16, queue_depth=5, tokens=210), moved)
+    back = unpaid.decide(gen_obs(21, ttft=3.0, itl=0.24, itl_mean=0.22, held=16, queue_depth=5, tokens=210), moved, TWO_CORES)
     assert back.knobs == one and "more workers did not pay" in back.reason
     again = unpaid.decide(gen_obs(32, tokens=200, **short), one, TWO_CORES)
     assert again.knobs == one and "before trying again" in again.reason
@@ -240,7 +262,7 @@ def test_itl_over_on_one_worker_that_has_every_thread_bets_on_two_workers_judged
 def test_a_second_worker_is_kept_when_the_queue_is_gone_even_if_tokens_fell_with_the_load():
     one = START.replace(process_count=1, threads_per_process=2)
     policy = GeneratePolicy()
-    split = policy.decide(gen_obs(0, ttft=3.0, itl=0.24, held=16, queue_depth=5, workers=1, tokens=400), one, TWO_CORES)
+    split = policy.decide(gen_obs(0, ttft=3.0, itl=0.24, itl_mean=0.22, held=16, queue_depth=5, workers=1, tokens=400), one, TWO_CORES)
     settle(policy, gen_obs(11, ttft=1.0, itl=0.1, held=3, tokens=200), split.knobs)
     assert policy.decide(gen_obs(21, ttft=1.0, itl=0.1, held=3, tokens=200), split.knobs, TWO_CORES).knobs == split.knobs
 
@@ -257,8 +279,8 @@ def test_a_second_worker_is_judged_by_cost_per_token_not_by_tokens_per_second_wh
     had been busy 90 % on two (1.8): half the cost per token, so the second worker stays."""
     one = START.replace(process_count=1, threads_per_process=2)
     policy = GeneratePolicy()
-    split = policy.decide(gen_obs(0, ttft=3.0, itl=0.24, held=16, queue_depth=5, workers=1, tokens=200), one, TWO_CORES)
-    after = gen_obs(11, ttft=3.0, itl=0.24, held=16, queue_depth=5, tokens=200)
+    split = policy.decide(gen_obs(0, ttft=3.0, itl=0.24, itl_mean=0.22, held=16, queue_depth=5, workers=1, tokens=200), one, TWO_CORES)
+    after = gen_obs(11, ttft=3.0, itl=0.24, itl_mean=0.22, held=16, queue_depth=5, tokens=200)
     after = dataclasses.replace(after, workers=tuple(dataclasses.replace(w, busy_fraction=0.45) for w in after.workers))
     settle(policy, after, split.knobs)
     kept = policy.decide(dataclasses.replace(after, time=21), split.knobs, TWO_CORES)

@@ -51,7 +51,7 @@ def run_generate_bench(args) -> int:
         choice = served_choice(path, "auto", task="generate")  # what the modes' servers serve (model.dtype: auto)
         say(f"limit: {model} in-process (GenerationRunner, {choice['dtype']}: {choice['reason']}), no server")
         limit = measure_generation_limit(path, cores, int(requests["prompt_tokens_median"]), duration=1.0 if args.quick else 2.0, say=say,
-                                         dtype=choice["dtype"], pairs=pairs, mix_duration=5.0 if args.quick else 10.0)
+                                         dtype=choice["dtype"], pairs=pairs, mix_duration=10.0 if args.quick else 20.0)
     plan = _plan(args, _capacity_estimate(limit, requests), gen_inputs.path_of(args.api))
     csv_file, writer = new_request_log(os.path.join(out, "requests.csv"), GEN_REQUEST_COLUMNS)
     logs: dict[str, GenRunLog] = {}

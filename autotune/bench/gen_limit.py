@@ -55,6 +55,8 @@ _ids = itertools.count()
 
 def _serve_mix(runner, batches, pairs, vocab: int, duration: float, rng: random.Random, barrier) -> dict[int, tuple[int, float]]:
     """{B: (output tokens, seconds)} with B of `pairs`' requests always in the runner, at each B in turn.
+    A window holds a few completions per running sequence at most (a 256-token prompt's prefill is a
+    large step of its own), so it needs to be several times longer than the decode phase's.
 
     A sequence that joins when B grows is given a random part of its output length (the rest of
     a life already under way), so completions are spread out as in a steady state, not all at once."""
