@@ -214,6 +214,10 @@ def test_bench_generate_replays_a_workload_against_each_mode_and_the_grid(tmp_pa
         assert w["judged"] == arrivals and w["failed"] == 0 and 0 < w["goodput"] <= w["offered"] and w["output_tokens_per_s"] > 0
         assert m["max_qps"] == 0 and not m["steps"]  # no ladder ran
     assert summary["modes"][1]["final_knobs"]["process_count"] == 2 and summary["modes"][2]["final_knobs"]["max_batch_size"] == 4
+    # the policy's own reasons, fetched from the server before it stopped: first of all, 4 × 2 does not fit 2 cores
+    first = summary["modes"][0]["decisions"][0]
+    assert first["old"]["process_count"] == 4 and first["new"]["process_count"] < 4 and first["reason"] and isinstance(first["at"], float)
+    assert summary["modes"][1]["decisions"] == []  # no policy runs there
     verdicts = summary["verdicts"]
     assert verdicts[0].startswith("best static (1 runs): static:process_count=1") and "of the best static; multiprocess" in verdicts[1]
     files = {p.name for p in out.iterdir()}

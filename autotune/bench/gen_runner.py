@@ -167,7 +167,7 @@ def run_gen_mode(mode: Mode, model: str, workdir: str, say: Say, plan: GenPlan, 
             result.workload = replay_generation(log, workload, plan, body, mode.name, say, writer, server.cpu_seconds).as_dict()
         result.memory_mib = server.memory_bytes() / 2**20
         result.final_knobs = httpx.get(server.url + "/stats", timeout=10).json()["knobs"]
-        result.timeline = log.rows
+        result.timeline, result.decisions = log.rows, log.decisions()
     finally:
         log.close()
         server.stop()

@@ -170,17 +170,17 @@ def plot_mode_timeline(result: ModeResult, log: RunLog, slo: float, path: str, t
 
 
 def write_mode_report(result: ModeResult, log: RunLog, slo: float, model: str, path: str, task: str = "embed") -> None:
-    """One mode's run as the dashboard page (one HTML file). The knob changes come from the
-    /stats polls, so they are marked without the policy's words. (Generation: the log's
-    request times are TTFTs, `slo` the TTFT objective.)"""
+    """One mode's run as the dashboard page (one HTML file): the knob changes from the /stats
+    polls, marked with the policy's own reasons where the server gave them (GET /admin/decisions).
+    (Generation: the log's request times are TTFTs, `slo` the TTFT objective.)"""
     from autotune.history import write_report
 
     if not log.requests or not result.timeline:
         return
     arrival, done, ok = _requests(log)
     changes = knob_changes(result.timeline)
-    decisions = [{"at": t, "outcome": "applied", "reason": "the knobs changed (seen in /stats; the server's GET /admin/decisions has the policy's reason)",
-                  "old": old.as_dict(), "new": new.as_dict()} for (_, old), (t, new) in zip(changes, changes[1:])]
+    decisions = result.decisions or [{"at": t, "outcome": "applied", "reason": "the knobs changed (seen in /stats)", "old": old.as_dict(), "new": new.as_dict()}
+                                     for (_, old), (t, new) in zip(changes, changes[1:])]
     end = float(max(np.nanmax(done), arrival.max()))
     info = {"title": f"selftune bench: {result.mode}", "model": model, "task": task, "slo_seconds": slo,
             "autotune": result.mode.startswith("autotuned"), "policy": result.mode}

@@ -77,6 +77,8 @@ class ModeResult:
     inputs_per_request: int = 1
     dtype: str = ""
     """The dtype its server served (/stats model.dtype: its own start-up choice); empty if not known."""
+    decisions: list[dict] = field(default_factory=list)
+    """The policy's knob changes with its reasons (GET /admin/decisions), `at` on the log's clock; empty without a policy."""
 
     @property
     def max_sentences_per_second(self) -> float:
@@ -93,6 +95,7 @@ class RunLog:
         self.requests: list[tuple[float, float, bool]] = []
         """(arrival, done, ok) per request, seconds since the log started."""
         self.started = time.monotonic()
+        self.started_wall = time.time()
         self._client = httpx.Client(timeout=5)
         self._lock = threading.Lock()
 
@@ -116,6 +119,15 @@ class RunLog:
         results = loadgen.run(self.url, arrivals, body, on_tick=tick)
         self.requests.extend((offset + r.sent_at, offset + r.sent_at + r.latency, r.status == 200) for r in results)
         return results
+
+    def decisions(self) -> list[dict]:
+        """The controller's decisions that changed the knobs, `at` in seconds since this log started."""
+        try:
+            reply = self._client.get(self.url + "/admin/decisions", params={"limit": 10_000},
+                                     headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).json()
+            return [{**d, "at": round(d["time"] - self.started_wall, 2)} for d in reply["decisions"] if d.get("old") != d.get("new")]
+        except (httpx.HTTPError, KeyError, TypeError, ValueError):
+            return []  # the run's numbers stand without the reasons
 
     def close(self) -> None:
         self._client.close()
@@ -222,7 +234,7 @@ def run_mode(
         stats = httpx.get(server.url + "/stats", timeout=10).json()
         model = stats.get("model") or {}
         result.final_knobs, result.dtype = stats["knobs"], served_name(model.get("dtype_choice") or {}) or model.get("dtype") or ""
-        result.timeline = log.rows
+        result.timeline, result.decisions = log.rows, log.decisions()
     finally:
         log.close()
         server.stop()
