@@ -13,8 +13,10 @@ makes at most one move, the first of these that applies:
    down to that, by at most decrease_factor a decision; else hold (the rows outgrew the cache
    while running: the preemptions themselves bring it back);
 3. ITL p99 over its objective: a decode step is too slow. With `ttft_first`, while capacity is
-   short (TTFT over, or sequences queued with too few first tokens to judge it) and the mean gap
-   is within the objective, ITL yields: TTFT's moves (4.) decide, or the policy holds. Else, if
+   short (TTFT over, or sequences queued with too few first tokens to judge it) or TTFT has no
+   headroom (p99 > `headroom` × its objective: a smaller chunk would put it over, and the next
+   window would grow the chunk back), and the mean gap is within the objective, ITL yields:
+   TTFT's moves (4.) decide when TTFT is over, else the policy holds. Else, if
    the prompt tokens one step prefills
    (a mean prompt, the prompt tokens arriving during one step, or those waiting in the workers) pass
    half of max_batch_tokens, cut it: at least in half, and in proportion (to a quarter at most)
@@ -84,8 +86,8 @@ class GenerateParams(Params):
     retry_seconds: float = Field(300.0, ge=0)
     """How long a layout bet that did not pay is not made again."""
     ttft_first: bool = True
-    """When capacity is short (TTFT over, or sequences queue), ITL p99 yields to TTFT while the mean
-    inter-token gap holds: the chunk is not cut, and TTFT's moves may grow it."""
+    """When capacity is short (TTFT over, or sequences queue) or TTFT has no headroom, ITL p99 yields
+    to TTFT while the mean inter-token gap holds: the chunk is not cut, and TTFT's moves may grow it."""
 
 
 class GeneratePolicy:
@@ -119,7 +121,7 @@ class GeneratePolicy:
         move = (
             self._judge_bet(observation, knobs, ttft_over)
             or self._kv_thrash(observation, knobs, bounds)
-            or (self._itl_over(observation, knobs, bounds, short, ttft_over) if itl.p99 > p.itl_p99_seconds else None)
+            or (self._itl_over(observation, knobs, bounds, short, ttft_p99) if itl.p99 > p.itl_p99_seconds else None)
             or (self._ttft_over(observation, knobs, bounds) if ttft_over else None)
         )
         if move is None:
@@ -150,13 +152,17 @@ class GeneratePolicy:
         smaller = max(fits, int(knobs.max_batch_size * self.params.decrease_factor))
         return knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", smaller)), f"{why}: {fits} rows of {width:.0f} slots fit the KV cache"
 
-    def _itl_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, short: bool, ttft_over: bool) -> tuple[Knobs, str] | None:
+    def _itl_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, short: bool, ttft_p99: float | None) -> tuple[Knobs, str] | None:
         p, itl = self.params, observation.load.latency["itl"]
-        if short and p.ttft_first and itl.mean is not None and itl.mean <= p.itl_p99_seconds:
+        # TTFT without headroom: a cut chunk would put it over and the next window would grow it back.
+        tight = ttft_p99 is not None and ttft_p99 > p.headroom * p.ttft_p99_seconds
+        if (short or tight) and p.ttft_first and itl.mean is not None and itl.mean <= p.itl_p99_seconds:
             # A queued request that misses its first-token objective is lost whole; a stream that
             # stalls now and then while a chunk prefills keeps its pace on average. TTFT decides.
-            if ttft_over:
+            if ttft_p99 is not None and ttft_p99 > p.ttft_p99_seconds:
                 return None
+            if tight:
+                return knobs, f"ITL over but its mean within the objective, TTFT without headroom (> {p.headroom:g} × its objective): holding"
             return knobs, "ITL over but its mean within the objective, sequences queued, too few first tokens to judge TTFT: capacity short, holding"
         chunk = knobs.max_batch_tokens
         half = max(p.min_batch_tokens, chunk // 2) if chunk else 256  # 0 prefilled whole prompts: start chunking

@@ -99,8 +99,13 @@ def test_with_a_queue_the_itl_tail_yields_to_ttft_while_the_mean_gap_holds():
     grows = decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, waiting=2, **tail))
     assert grows.knobs == START.replace(max_batch_tokens=512) and "prompts wait in the workers" in grows.reason
     assert decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, **tail)).knobs == START.replace(max_batch_size=20)
-    calm = decide(gen_obs(0, ttft=1.0, **tail))  # TTFT met: ITL p99 is the objective to meet
+    calm = decide(gen_obs(0, ttft=1.0, **tail))  # TTFT met with headroom: ITL p99 is the objective to meet
     assert calm.knobs.max_batch_tokens < 256 and "smaller prefill chunks" in calm.reason
+    # TTFT met, but without headroom (1.9 s of 2): a smaller chunk would put it over and the next
+    # window would grow the chunk back (the live steady replay cycled 85 <-> 170 so): hold
+    edge = decide(gen_obs(0, ttft=1.9, **tail))
+    assert edge.knobs == START and "TTFT without headroom" in edge.reason
+    assert decide(gen_obs(0, ttft=1.9, itl=0.3, itl_mean=0.27)).knobs.max_batch_tokens < 256  # the pace lost: cut all the same
     assert decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, **tail), ttft_first=False).knobs.max_batch_tokens < 256
     slow = decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, itl=0.3, itl_mean=0.27))  # the pace itself is lost
     assert slow.knobs.max_batch_tokens < 256
