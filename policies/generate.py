@@ -16,13 +16,12 @@ makes at most one move, the first of these that applies:
    short (TTFT over, or sequences queued with too few first tokens to judge it) or TTFT has no
    headroom (p99 > `headroom` × its objective: a smaller chunk would put it over, and the next
    window would grow the chunk back), and the mean gap is within the objective, ITL yields:
-   TTFT's moves (4.) decide when TTFT is over, else the policy holds. Else, if
-   the prompt tokens one step prefills
-   (a mean prompt, the prompt tokens arriving during one step, or those waiting in the workers) pass
-   half of max_batch_tokens, cut it: at least in half, and in proportion (to a quarter at most)
-   when ITL p99 is far over (a step that prefills a whole chunk is the slow one), not below
-   `min_batch_tokens` (a chunk prompts never fill would change nothing); else, with full
-   batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
+   TTFT's moves (4.) decide when TTFT is over, else the policy holds. Else, if the prompt tokens
+   one step prefills (a mean prompt, the prompt tokens arriving during one step, or those waiting
+   in the workers) pass half of max_batch_tokens, cut it: at least in half, and in proportion
+   (to a quarter at most) when ITL p99 is far over (a step that prefills a whole chunk is the
+   slow one), not below `min_batch_tokens` (a chunk prompts never fill would change nothing);
+   else, with full batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
    or too few first tokens to judge it while sequences queue (capacity is short: fewer rows would
    only lengthen the queue; hold); else more threads per worker and fewer workers (the same
    rows on more cores). That last move is a bet: whether a step of more threads is faster

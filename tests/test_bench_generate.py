@@ -192,7 +192,8 @@ def test_bench_generate_quick_end_to_end(tmp_path, tiny_causal_lm):
     assert m["at_max"]["passed"] and m["at_max"]["ttft_p99"] <= 2.0 and m["at_max"]["itl_p99"] <= 0.25 and m["at_max"]["output_tokens_per_s"] > 0
     assert summary["limit"]["tokens_per_second"] > 0 and summary["requests"]["max_output_tokens"] == 12
     assert {"bench.md", "bench.json", "generation-curves.png", "requests.csv"} <= {p.name for p in out.iterdir()}
-    assert "| multiprocess |" in done.stdout and "| limit |" in done.stdout
+    assert "| multiprocess |" in done.stdout and "| limit |" in done.stdout and "| limit, these requests |" in done.stdout
+    assert set(summary["limit"]["with_prefill"]) == {"1x2", "2x1"}  # its cells 2 s each: two thirds of a 3-s rung
 
 
 def test_bench_generate_replays_a_workload_against_each_mode_and_the_grid(tmp_path, tiny_causal_lm):

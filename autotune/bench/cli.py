@@ -61,7 +61,7 @@ def register(subparsers) -> None:
     b.add_argument("--no-generator-check", action="store_true", help="skip the load generator's own capacity check")
     b.add_argument("--out", help="directory for bench.md, bench.json, the PNG plots and requests.csv")
     b.add_argument("--json", action="store_true")
-    b.add_argument("--step-seconds", type=float, help="length of one rate step (default: embed 6 quick / 12, generate 15 quick / 30)")
+    b.add_argument("--step-seconds", type=float, help="length of one rate step (default: embed 6 quick / 12, generate 15 quick / 30; generate: the limit's cells with prefill run 2/3 of it)")
     g = b.add_argument_group("generate", "with --task generate")
     g.add_argument("--ttft-slo", type=float, default=2.0, help="time-to-first-token p99 objective, seconds")
     g.add_argument("--itl-slo", type=float, default=0.25, help="inter-token latency p99 objective, seconds")

@@ -51,7 +51,7 @@ def run_generate_bench(args) -> int:
         choice = served_choice(path, "auto", task="generate")  # what the modes' servers serve (model.dtype: auto)
         say(f"limit: {model} in-process (GenerationRunner, {choice['dtype']}: {choice['reason']}), no server")
         limit = measure_generation_limit(path, cores, int(requests["prompt_tokens_median"]), duration=1.0 if args.quick else 2.0, say=say,
-                                         dtype=choice["dtype"], pairs=pairs, mix_duration=10.0 if args.quick else 20.0)
+                                         dtype=choice["dtype"], pairs=pairs, mix_duration=_step_seconds(args) * 2 / 3)
     plan = _plan(args, _capacity_estimate(limit, requests), gen_inputs.path_of(args.api))
     csv_file, writer = new_request_log(os.path.join(out, "requests.csv"), GEN_REQUEST_COLUMNS)
     logs: dict[str, GenRunLog] = {}
@@ -154,11 +154,17 @@ def _capacity_estimate(limit: dict | None, requests: dict) -> float | None:
     return 1.0 / max(seconds, 1e-9)
 
 
+def _step_seconds(args) -> float:
+    """A rung's length; the limit's cells with prefill run two thirds of it (10 s with --quick, 20 s
+    without): each holds only a few completions per running sequence, so they need long windows."""
+    return args.step_seconds or (15.0 if args.quick else 30.0)
+
+
 def _plan(args, capacity: float | None, path: str) -> GenPlan:
     # the ladder starts at 0.3 × the no-queueing estimate (SmolLM2 here: ~1.4 req/s estimated, its
     # first passing rate ~0.2; a failing first step costs the most, at low rates steps are longest)
     start = args.start_rate or (0.3 * capacity if capacity else 0.3)
-    step = args.step_seconds or (15.0 if args.quick else 30.0)
+    step = _step_seconds(args)
     return GenPlan(
         ladder=LadderConfig(start=start, factor=1.5 if args.quick else 1.3, refine=1 if args.quick else 2, min_rate=0.02),
         step_seconds=step,
