@@ -30,13 +30,9 @@ BATCH_SIZES = (1, 8, 16, 32)
 def _grow_and_decode(runner, batch: int, prompt_tokens: int, max_tokens: int, vocab: int, duration: float, rng: random.Random, barrier) -> tuple[float, int, float]:
     """(prefill tokens/s, decoded tokens, seconds) with `batch` sequences running in this child:
     those still running from the smaller batch before are kept (32 after 16 prefills 16 prompts)."""
-    from engine.generation import SequenceRequest
-    from engine.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     new = batch - runner.num_running
     for _ in range(new):
-        runner.add(SequenceRequest(next(_ids), tuple(rng.randrange(100, vocab) for _ in range(prompt_tokens)), params))
+        _add_random(runner, rng, prompt_tokens, max_tokens, vocab)
     started = time.perf_counter()
     runner.step()  # admits the new ones: one prefill (and one decode step of those already running)
     prefill = new * prompt_tokens / (time.perf_counter() - started)
@@ -53,6 +49,16 @@ def _grow_and_decode(runner, batch: int, prompt_tokens: int, max_tokens: int, vo
 _ids = itertools.count()
 
 
+def _add_random(runner, rng: random.Random, prompt_tokens: int, max_tokens: int, vocab: int) -> None:
+    """Queue a sequence of `prompt_tokens` random ids (clear of the special tokens) that makes
+    exactly `max_tokens` greedy tokens, whatever it draws."""
+    from engine.generation import SequenceRequest
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    runner.add(SequenceRequest(next(_ids), tuple(rng.randrange(100, vocab) for _ in range(prompt_tokens)), params))
+
+
 def _serve_mix(runner, batches, pairs, vocab: int, duration: float, rng: random.Random, barrier) -> dict[int, tuple[int, float]]:
     """{B: (output tokens, seconds)} with B of `pairs`' requests always in the runner, at each B in turn.
     A window holds a few completions per running sequence at most (a 256-token prompt's prefill is a
@@ -60,15 +66,11 @@ def _serve_mix(runner, batches, pairs, vocab: int, duration: float, rng: random.
 
     A sequence that joins when B grows is given a random part of its output length (the rest of
     a life already under way), so completions are spread out as in a steady state, not all at once."""
-    from engine.generation import SequenceRequest
-    from engine.sampling import SamplingParams
-
     cycle = itertools.cycle(pairs[rng.randrange(len(pairs)):] + pairs)
 
     def add(residual: bool) -> None:
         prompt, output = next(cycle)
-        params = SamplingParams(max_tokens=rng.randint(1, output) if residual else output, temperature=0, ignore_eos=True)
-        runner.add(SequenceRequest(next(_ids), tuple(rng.randrange(100, vocab) for _ in range(prompt)), params))
+        _add_random(runner, rng, prompt, rng.randint(1, output) if residual else output, vocab)
 
     runner.prefill_chunk = None  # flat out: whole prompts, the cheapest way through them
     out = {}
