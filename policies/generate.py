@@ -20,7 +20,12 @@ makes at most one move, the first of these that applies:
    one step prefills (a mean prompt, the prompt tokens arriving during one step, or those waiting
    in the workers) pass half of max_batch_tokens, cut it: at least in half, and in proportion
    (to a quarter at most) when ITL p99 is far over (a step that prefills a whole chunk is the
-   slow one), not below `min_batch_tokens` (a chunk prompts never fill would change nothing);
+   slow one), not below `min_batch_tokens` (a chunk prompts never fill would change nothing).
+   With `ttft_first` the cut has a floor, the larger of: 1.5 × the prompt tokens a worker's step
+   must prefill to keep up with the window's arrivals (a smaller chunk changes the tail, not the
+   mean gap, until prefill falls behind: then the cost moves to TTFT), and, for `retry_seconds`,
+   a chunk whose cut put TTFT over (TTFT's next move grew it back). At the floor, a mean gap within
+   the objective holds; else the moves below apply;
    else, with full batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
    or too few first tokens to judge it while sequences queue (capacity is short: fewer rows would
    only lengthen the queue; hold); else more threads per worker and fewer workers (the same
@@ -32,9 +37,9 @@ makes at most one move, the first of these that applies:
    One worker that has every thread already makes the opposite bet, judged the same way: one
    more worker, the rows split over both;
 4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective; with
-   `ttft_first` and sequences queued, the mean gap's headroom will do): when prompts wait inside
-   the workers for their prefill, larger prefill chunks (× 2: fewer weight reads per prompt
-   token); when sequences queue (in the front or in a worker) and batches are full, a larger batch (+
+   `ttft_first` and sequences queued, a mean gap <= `mean_headroom` × objective will do): when
+   prompts wait inside the workers for their prefill, larger prefill chunks (× 2: fewer weight
+   reads per prompt token; with `ttft_first`, at least twice what keeps up with the arrivals); when sequences queue (in the front or in a worker) and batches are full, a larger batch (+
    `growth_step`; continuous batching makes more tokens per second at a larger batch), else one
    more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
    prefill: a larger max_batch_tokens (fewer steps per prompt). Without ITL headroom capacity is
@@ -84,6 +89,8 @@ class GenerateParams(Params):
     """A layout bet stays only if ITL p50 (more threads) or the busy cores per output token (more workers) then fall by this share."""
     retry_seconds: float = Field(300.0, ge=0)
     """How long a layout bet that did not pay is not made again."""
+    mean_headroom: float = Field(0.8, gt=0, le=1)
+    """With ttft_first and sequences queued, grow for TTFT while the mean inter-token gap <= this × the ITL objective."""
     ttft_first: bool = True
     """When capacity is short (TTFT over, or sequences queue) or TTFT has no headroom, ITL p99 yields
     to TTFT while the mean inter-token gap holds: the chunk is not cut, and TTFT's moves may grow it."""
@@ -101,6 +108,10 @@ class GeneratePolicy:
         self._bet: _LayoutBet | None = None
         """The last layout move, until judged."""
         self._no_bet_until = {"threads": float("-inf"), "workers": float("-inf")}
+        self._cut: tuple[int, int] | None = None
+        """(from, to) of max_batch_tokens when the last change was ITL cutting the chunk."""
+        self._chunk_floor: tuple[int, float] | None = None
+        """(chunk, until): a cut below this chunk put TTFT back over; with ttft_first, ITL does not cut under it till then."""
 
     def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
         p = self.params
@@ -130,6 +141,8 @@ class GeneratePolicy:
         if not changes:
             return Decision(knobs, f"{state}; {why}: no change")
         self._changed_at = observation.time
+        cut = _chunk(proposal.max_batch_tokens) < _chunk(knobs.max_batch_tokens)
+        self._cut = (knobs.max_batch_tokens, proposal.max_batch_tokens) if cut else None
         return Decision(proposal, f"{state}; {why}: {changes}")
 
     def _kv_thrash(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str] | None:
@@ -165,20 +178,29 @@ class GeneratePolicy:
             return knobs, "ITL over but its mean within the objective, sequences queued, too few first tokens to judge TTFT: capacity short, holding"
         chunk = knobs.max_batch_tokens
         half = max(p.min_batch_tokens, chunk // 2) if chunk else 256  # 0 prefilled whole prompts: start chunking
+        floor, floor_why = self._chunk_floor_now(observation) if p.ttft_first else (0, "")
+        held = ""
         if (chunk == 0 or chunk > p.min_batch_tokens) and _prefill_per_step(observation) > half:
-            # ITL p99 is a step that prefilled a whole chunk: scale the chunk to what fits 80 % of the
-            # objective, by at most a quarter at once (a shared CPU's stalls count in that p99 too)
-            fits = int(chunk * 0.8 * p.itl_p99_seconds / itl.p99) if chunk else half
-            smaller = max(p.min_batch_tokens, chunk // 4, min(half, fits))
-            return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", smaller)), "ITL over with prompts prefilling: smaller prefill chunks"
+            if _chunk(chunk) > floor:
+                # ITL p99 is a step that prefilled a whole chunk: scale the chunk to what fits 80 % of the
+                # objective, by at most a quarter at once (a shared CPU's stalls count in that p99 too)
+                fits = int(chunk * 0.8 * p.itl_p99_seconds / itl.p99) if chunk else half
+                smaller = max(p.min_batch_tokens, floor, chunk // 4, min(half, fits))
+                why = "ITL over with prompts prefilling: smaller prefill chunks" + (f" (down to {floor}: {floor_why})" if smaller == floor else "")
+                return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", smaller)), why
+            # A smaller chunk moves the tail, not the mean gap (the same prompt tokens are prefilled
+            # a second either way), until prefill falls behind: then it only moves the cost to TTFT.
+            held = f"ITL over, the chunk held at {chunk} ({floor_why}); "
+            if itl.mean is not None and itl.mean <= p.itl_p99_seconds:
+                return knobs, held + "its mean within the objective: holding"  # the tail alone is not worth a layout bet
         if self._batches_full(observation, knobs):
             if short:  # fewer rows would cut the tokens per second that a queue already lacks
-                return knobs, "ITL over with full batches and TTFT over (or sequences queued): capacity short, holding"
-            return self._fewer_sequences(knobs, bounds), "ITL over with full batches: fewer rows per step"
+                return knobs, held + "ITL over with full batches and TTFT over (or sequences queued): capacity short, holding"
+            return self._fewer_sequences(knobs, bounds), held + "ITL over with full batches: fewer rows per step"
         if self._layout(knobs, bounds, knobs.process_count - 1) == knobs and knobs.threads_per_process > 1:
             # No more threads to give a step: split the rows over more workers instead, judged the same way.
-            return self._bet_on_layout(observation, knobs, bounds, "workers", "itl", "ITL over, no more threads to give a step: one more worker, fewer rows each")
-        return self._bet_on_layout(observation, knobs, bounds, "threads", "itl", "ITL over: more threads per step")
+            return self._bet_on_layout(observation, knobs, bounds, "workers", "itl", held + "ITL over, no more threads to give a step: one more worker, fewer rows each")
+        return self._bet_on_layout(observation, knobs, bounds, "threads", "itl", held + "ITL over: more threads per step")
 
     def _bet_on_layout(self, observation: Observation, knobs: Knobs, bounds: Bounds, kind: str, metric: str, why: str) -> tuple[Knobs, str]:
         """A layout move whose gain depends on the CPU and the model: made, then judged on `metric`
@@ -222,8 +244,9 @@ class GeneratePolicy:
         p, itl = self.params, observation.load.latency["itl"]
         queueing = _queueing(observation)
         room = p.headroom * p.itl_p99_seconds
-        # With ttft_first, a queue may spend ITL's tail (not its mean) on TTFT.
-        if itl.p99 > room and not (p.ttft_first and queueing and itl.mean is not None and itl.mean <= room):
+        # With ttft_first, a queue may spend ITL's tail, and the mean up to mean_headroom, on TTFT:
+        # every queued request is late already, while a stream is judged by its mean gap.
+        if itl.p99 > room and not (p.ttft_first and queueing and itl.mean is not None and itl.mean <= p.mean_headroom * p.itl_p99_seconds):
             why = f"TTFT over but ITL has no headroom (> {self.params.headroom:g} × its objective): capacity short"
             if queueing and knobs.threads_per_process > 1:
                 # Fewer threads per step may cost ITL, or nothing where a step does not speed up with
@@ -234,14 +257,36 @@ class GeneratePolicy:
         if any(w.waiting_sequences for w in _ready(observation)) and chunk and chunk <= bounds.max_batch_tokens[1]:
             # Prompts wait inside the workers for their prefill: larger chunks read the weights
             # fewer times per prompt token, so the workers prefill more tokens a second.
-            return knobs.replace(max_batch_tokens=chunk), "TTFT over, prompts wait in the workers: larger prefill chunks"
+            keep_up = 2 * _keep_up(observation) if self.params.ttft_first else 0
+            if keep_up > chunk:  # at least twice what keeps pace with the arrivals, so the backlog drains too
+                chunk = clamp_knob(bounds, "max_batch_tokens", -(-int(keep_up) // 32) * 32)
+            return knobs.replace(max_batch_tokens=chunk), "TTFT over, prompts wait in the workers: larger prefill chunks" + self._floor_at(observation, chunk)
         full = self._batches_full(observation, knobs)
         if queueing and full and knobs.max_batch_size < bounds.max_batch_size[1]:
             grown = clamp_knob(bounds, "max_batch_size", knobs.max_batch_size + self.params.growth_step)
             return knobs.replace(max_batch_size=grown), "TTFT over, sequences queue behind full batches: a larger batch"
         if queueing:
             return self._bet_on_layout(observation, knobs, bounds, "workers", "cost", "TTFT over, sequences queue: one more worker")
-        return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", chunk)), "TTFT over, nothing queues: larger prefill chunks"
+        grown = clamp_knob(bounds, "max_batch_tokens", chunk)
+        return knobs.replace(max_batch_tokens=grown), "TTFT over, nothing queues: larger prefill chunks" + self._floor_at(observation, grown)
+
+    def _floor_at(self, observation: Observation, grown: int) -> str:
+        """TTFT over right after ITL cut the chunk: that cut put it over, so the chunk stays at `grown`
+        (or the chunk cut from, if smaller) or more for retry_seconds (with ttft_first). Says so, or ""."""
+        if not self.params.ttft_first or self._cut is None:
+            return ""
+        floor = grown if _chunk(grown) <= _chunk(self._cut[0]) else self._cut[0]  # TTFT was met at the chunk cut from
+        self._chunk_floor = (floor, observation.time + self.params.retry_seconds)
+        return f" (the cut to {self._cut[1]} put TTFT over: no cut under {floor} for {self.params.retry_seconds:g} s)"
+
+    def _chunk_floor_now(self, observation: Observation) -> tuple[int, str]:
+        """The chunk ITL may not cut under now (0: none), and why: the larger of a cut that put TTFT
+        over (for retry_seconds) and what keeps prefill up with the prompts arriving, with half to spare."""
+        keep_up = int(1.5 * _keep_up(observation))
+        remembered = self._chunk_floor[0] if self._chunk_floor is not None and observation.time < self._chunk_floor[1] else 0
+        if remembered >= keep_up and remembered:
+            return remembered, f"a chunk under it put TTFT over, {self._chunk_floor[1] - observation.time:.0f} s more"
+        return keep_up, f"1.5 × the {keep_up / 1.5:.0f} prompt tokens a worker's step must prefill to keep up" if keep_up else ""
 
     def _batches_full(self, observation: Observation, knobs: Knobs) -> bool:
         ready = _ready(observation)
@@ -299,6 +344,20 @@ def _prefill_per_step(observation: Observation) -> float:
     waiting = sum(w.waiting_sequences for w in observation.workers)
     arriving = load.input_tokens_per_second * (itl.mean or 0.0) if itl is not None else 0.0
     return max(prompt, arriving, waiting * prompt)
+
+
+def _chunk(tokens: int) -> float:
+    """max_batch_tokens as a size: 0 prefills whole prompts, the largest chunk there is."""
+    return tokens or float("inf")
+
+
+def _keep_up(observation: Observation) -> float:
+    """Prompt tokens one worker's step must prefill for prefill to keep pace with the window's
+    arrivals: each ready worker's share of the prompt tokens a second, over its steps a second."""
+    itl, ready = observation.load.latency.get("itl"), _ready(observation)
+    if itl is None or itl.mean is None or not ready:
+        return 0.0
+    return observation.load.input_tokens_per_second / len(ready) * itl.mean
 
 
 def _queueing(observation: Observation) -> bool:

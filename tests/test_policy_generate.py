@@ -48,12 +48,28 @@ def test_preemptions_double_a_binding_kv_cap_and_shrink_the_batch_at_the_ceiling
 def test_itl_over_while_prompts_prefill_halves_the_chunk_down_to_its_floor():
     decision = decide(gen_obs(0, itl=0.4))
     assert decision.knobs.max_batch_tokens == 128 and "max_batch_tokens 256 -> 128" in decision.reason
-    far_over = decide(gen_obs(0, itl=0.8))  # a 256-token chunk makes 800-ms steps: 64 fit 80 % of 250 ms
+    far_over = decide(gen_obs(0, itl=0.8), ttft_first=False)  # a 256-token chunk makes 800-ms steps: 64 fit 80 % of 250 ms
     assert far_over.knobs.max_batch_tokens == 64
-    floor = decide(gen_obs(0, itl=0.4), START.replace(max_batch_tokens=40))
+    floor = decide(gen_obs(0, itl=0.4), START.replace(max_batch_tokens=40), ttft_first=False)
     assert floor.knobs.max_batch_tokens == 32
     whole = decide(gen_obs(0, itl=0.4), START.replace(max_batch_tokens=0))  # whole prompts: start chunking
     assert whole.knobs.max_batch_tokens == 256
+
+
+def test_with_ttft_first_the_chunk_is_not_cut_below_what_keeps_prefill_up_with_the_prompts():
+    """Each of two workers gets 400 prompt tokens a second and steps every 400 ms on average (the
+    mean gap, whatever the chunk while prefill keeps up): 160 tokens a step. A smaller chunk than
+    that moves the cost to TTFT without changing the mean gap, so the cut stops at 1.5 × 160; at
+    or under that, the chunk holds and the other ITL moves apply (here the layout bet)."""
+    far_over = decide(gen_obs(0, itl=0.8))
+    assert far_over.knobs.max_batch_tokens == 240
+    assert "down to 240: 1.5 × the 160 prompt tokens a worker's step must prefill to keep up" in far_over.reason
+    at_it = decide(gen_obs(0, itl=0.8), START.replace(max_batch_tokens=240))
+    assert at_it.knobs.max_batch_tokens == 240 and (at_it.knobs.process_count, at_it.knobs.threads_per_process) == (1, 2)
+    assert "the chunk held at 240" in at_it.reason and "more threads per step" in at_it.reason
+    # TTFT over with prompts waiting: the chunk grows to twice what keeps up (in 32s), not only × 2
+    grown = decide(gen_obs(0, ttft=3.0, itl=0.1, itl_mean=0.1, waiting=2, prompt=2000), START.replace(max_batch_tokens=64))
+    assert grown.knobs.max_batch_tokens == 416 and "prompts wait in the workers" in grown.reason  # 2 × 2000 / 2 × 0.1 = 400
 
 
 def test_itl_over_at_the_chunk_floor_shrinks_full_batches_else_gives_each_step_more_threads():
@@ -87,7 +103,7 @@ def test_ttft_over_with_nothing_queued_prefills_in_larger_chunks():
 
 
 def test_ttft_over_without_itl_headroom_holds_and_says_capacity_is_short():
-    decision = decide(gen_obs(0, ttft=3.0, itl=0.2, itl_mean=0.19, held=16, queue_depth=5))  # every step slow: no headroom
+    decision = decide(gen_obs(0, ttft=3.0, itl=0.2, itl_mean=0.21, held=16, queue_depth=5))  # every step slow: no headroom
     assert decision.knobs == START and "capacity short" in decision.reason
 
 
@@ -113,6 +129,38 @@ def test_with_a_queue_the_itl_tail_yields_to_ttft_while_the_mean_gap_holds():
     assert unjudged.knobs == START and "capacity short" in unjudged.reason
 
 
+def test_a_chunk_cut_that_put_ttft_back_over_is_not_made_again_while_the_mean_gap_holds():
+    """The live steady replay's cycle (recorded decisions, 2026-12-05): ITL p99 over with TTFT met
+    cut the chunk 128 -> 64, TTFT went over, the chunk grew back, and round again eight times in 240 s.
+    Growing back right after such a cut sets a floor for retry_seconds: ITL's tail then holds the
+    chunk (the mean gap holding); a larger chunk may still be cut down to the floor, and the floor
+    ends with retry_seconds. With ttft_first off, the cut is made as before."""
+    def run(ttft_first=True, mean=0.12):
+        policy = GeneratePolicy(GenerateParams(ttft_first=ttft_first, retry_seconds=300))
+        knobs, log = START.replace(max_batch_tokens=128), []
+        for t, obs in ((0, gen_obs(0, ttft=1.08, itl=0.28, itl_mean=mean, prompt=200)),   # TTFT met with headroom: ITL cuts
+                       (15, gen_obs(15, ttft=3.3, itl=0.15, waiting=2, prompt=200)),     # the cut put TTFT over: grow back
+                       (30, gen_obs(30, ttft=0.7, itl=0.32, itl_mean=mean, prompt=200))):  # ITL's tail over again
+            decision = policy.decide(obs, knobs, TWO_CORES)
+            knobs = decision.knobs
+            log.append((knobs.max_batch_tokens, decision.reason))
+        return policy, knobs, log
+    policy, knobs, log = run()
+    assert [chunk for chunk, _ in log] == [64, 128, 128]
+    assert "the cut to 64 put TTFT over: no cut under 128 for 300 s" in log[1][1]
+    assert "the chunk held at 128 (a chunk under it put TTFT over, 285 s more); its mean within the objective: holding" in log[2][1]
+    # a larger chunk is cut no further than the floor; after retry_seconds the floor is gone
+    far = policy.decide(gen_obs(45, ttft=0.7, itl=0.8, itl_mean=0.12, prompt=200), knobs.replace(max_batch_tokens=256), TWO_CORES)  # 64 alone
+    assert far.knobs.max_batch_tokens == 128
+    assert policy.decide(gen_obs(400, ttft=0.7, itl=0.32, itl_mean=0.12, prompt=200), knobs, TWO_CORES).knobs.max_batch_tokens == 64
+    # the pace itself lost (mean 270 ms): the cut stops at what keeps prefill up (1.5 × 200 × 0.27 = 81), the
+    # growth back goes past the chunk cut from (162), and the next cut stops at that chunk, where TTFT was met
+    slow = run(mean=0.27)[2]
+    assert [chunk for chunk, _ in slow] == [81, 162, 128] and "(down to 128: a chunk under it put TTFT over, 285 s more)" in slow[2][1]
+    off = run(ttft_first=False)[2]
+    assert [chunk for chunk, _ in off] == [64, 128, 64] and "no cut under" not in off[1][1]
+
+
 def test_a_change_is_followed_by_a_cooldown():
     policy = GeneratePolicy(GenerateParams(cooldown_seconds=10))
     first = policy.decide(gen_obs(0, itl=0.4), START, TWO_CORES)
@@ -134,7 +182,7 @@ def test_a_queueing_load_settles_on_the_largest_batch_whose_itl_meets_the_object
         decision = policy.decide(gen_obs(step * 5.0, ttft=3.0 if size < 24 else 1.0, itl=itl, itl_mean=itl, held=size, queue_depth=5), knobs, TWO_CORES)
         knobs = decision.knobs
         sizes.append(knobs.max_batch_size)
-    assert sizes[-1] == 16 and sizes[-10:] == [16] * 10  # 20 ms + 160 ms = 180 ms > 0.7 × 250 ms: stop growing
+    assert sizes[-1] == 20 and sizes[-10:] == [20] * 10  # 20 ms + 200 ms = 220 ms > 0.8 × 250 ms (mean_headroom): stop growing
     assert 0.02 + 0.01 * sizes[-1] <= 0.25 and sizes == sorted(sizes)
 
 
@@ -178,10 +226,13 @@ def test_on_the_recorded_burst_prompts_waiting_in_the_worker_make_the_chunk_shri
     """Eight 256-token prompts at once: six wait in the worker while steps prefill 512 tokens each
     and ITL p99 is 6.2 s. Judged on that window (it holds only 10 inter-token latencies, so the
     shipped min_tokens of 20 holds there), the prompts waiting fill the chunk: cut it, in
-    proportion to the overshoot but to a quarter at most in one move."""
+    proportion to the overshoot but to a quarter at most in one move (without ttft_first)."""
     (observation, knobs), = [(o, k) for phase, k, o in recorded() if phase == "heavy" and o.workers[0].waiting_sequences == 6][:1]
-    decision = GeneratePolicy(GenerateParams(min_tokens=5)).decide(observation, knobs, TWO_CORES)
+    decision = GeneratePolicy(GenerateParams(min_tokens=5, ttft_first=False)).decide(observation, knobs, TWO_CORES)
     assert decision.knobs == knobs.replace(max_batch_tokens=128) and "smaller prefill chunks" in decision.reason
+    # with ttft_first, not below 1.5 × the prompt tokens a step must prefill to keep up with them (the mean gap × the prompt tokens a second)
+    keeping_up = GeneratePolicy(GenerateParams(min_tokens=5)).decide(observation, knobs, TWO_CORES)
+    assert keeping_up.knobs == knobs.replace(max_batch_tokens=285) and "to keep up" in keeping_up.reason
 
 
 def test_itl_over_with_prompts_that_never_fill_the_chunk_leaves_the_chunk_alone():
@@ -191,9 +242,9 @@ def test_itl_over_with_prompts_that_never_fill_the_chunk_leaves_the_chunk_alone(
 
 def test_itl_and_ttft_both_over_with_full_batches_hold_rather_than_cut_throughput():
     at_floor = START.replace(max_batch_tokens=32)
-    decision = decide(gen_obs(0, itl=0.4, ttft=3.0, held=16, queue_depth=5), at_floor)
+    decision = decide(gen_obs(0, itl=0.4, itl_mean=0.3, ttft=3.0, held=16, queue_depth=5), at_floor)
     assert decision.knobs == at_floor and "capacity short" in decision.reason
-    queued = decide(gen_obs(0, itl=0.4, ttft=None, first_tokens=0, held=16, queue_depth=3), at_floor)  # too few first tokens to judge TTFT
+    queued = decide(gen_obs(0, itl=0.4, itl_mean=0.3, ttft=None, first_tokens=0, held=16, queue_depth=3), at_floor)  # too few first tokens to judge TTFT
     assert queued.knobs == at_floor and "capacity short" in queued.reason
 
 
