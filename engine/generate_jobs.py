@@ -46,10 +46,13 @@ class GenerateJobs(TaskJobs):
             if job is None:
                 continue
             self.latency.record("ttft" if job.emitted == 0 else "itl", now - (job.last_token_at or job.created))
+            job.first_token_at = job.first_token_at or now
             job.last_token_at = now
             job.emitted += 1
             self.counters.generated_tokens += 1
             if finish is not None:
+                if job.emitted > 1:  # time per output token: the request's mean gap, what goodput judges it by
+                    self.latency.record("tpot", (now - job.first_token_at) / (job.emitted - 1))
                 del self.jobs[seq_id]
                 self.counters.completed += 1
                 handle.batches.pop(job.batch_id, None)

@@ -117,6 +117,7 @@ class GenerateJob:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     emitted: int = 0
+    first_token_at: float | None = None
     last_token_at: float | None = None
     worker_id: int | None = None
     batch_id: int | None = None

@@ -116,7 +116,7 @@ class LatencyHistograms:
     Prometheus does, so nothing is ever sorted and nothing grows with traffic.
     """
 
-    STAGES = ("preprocess", "queue", "model", "postprocess", "total", "ttft", "itl")
+    STAGES = ("preprocess", "queue", "model", "postprocess", "total", "ttft", "itl", "tpot")
     BASE = 1e-5
     PER_OCTAVE = 8
     COUNT = 8 * 28

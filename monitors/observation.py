@@ -60,7 +60,8 @@ class Load:
     """Seconds the oldest waiting item has waited, now."""
     pending_requests: int = 0
     latency: dict[str, Latency] = field(default_factory=dict)
-    """Stage -> percentiles: total, queue, preprocess, model, postprocess; ttft, itl for generation."""
+    """Stage -> percentiles: total, queue, preprocess, model, postprocess; for generation ttft, itl
+    (every gap between two tokens) and tpot (each finished request's mean gap, time per output token)."""
     batch_size: float = 0.0
     """Mean items per batch over the window."""
     batch_fill: float = 1.0

@@ -56,6 +56,7 @@ it to the usable cores). Only the knobs named here change; batch_timeout and io_
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from pydantic import Field
 
@@ -69,6 +70,10 @@ class GenerateParams(Params):
     """Time to first token objective (p99, seconds)."""
     itl_p99_seconds: float = Field(0.25, gt=0)
     """Inter-token latency objective (p99, seconds)."""
+    itl_p99_over: Literal["tokens", "requests"] = "tokens"
+    """What the ITL objective's p99 is over: every gap between two tokens, or each finished request's
+    mean gap (time per output token, TPOT: what goodput counts; a prefill's stall then costs the
+    request its share of it, not a whole p99 sample). Fewer than min_requests finished: the mean gap."""
     min_tokens: int = Field(20, ge=1)
     """Inter-token latencies the window needs before the policy acts."""
     min_requests: int = Field(5, ge=1)
@@ -124,15 +129,16 @@ class GeneratePolicy:
             return Decision(knobs, f"cooldown after the last change ({p.cooldown_seconds:g}s): holding")
         ttft = observation.load.latency.get("ttft")
         ttft_p99 = ttft.p99 if ttft is not None and ttft.count >= p.min_requests else None
-        state = f"TTFT p99 {_ms(ttft_p99)} of {_ms(p.ttft_p99_seconds)}, ITL p99 {_ms(itl.p99)} of {_ms(p.itl_p99_seconds)}"
+        tail, tail_name = self._itl_tail(observation)
+        state = f"TTFT p99 {_ms(ttft_p99)} of {_ms(p.ttft_p99_seconds)}, {tail_name} {_ms(tail)} of {_ms(p.itl_p99_seconds)}"
         ttft_over = ttft_p99 is not None and ttft_p99 > p.ttft_p99_seconds
         # Too few first tokens to judge TTFT (a slow, queued engine makes few): a queue says the same.
         short = ttft_over or (ttft_p99 is None and _queueing(observation))
         move = (
             self._judge_bet(observation, knobs, ttft_over)
             or self._kv_thrash(observation, knobs, bounds)
-            or (self._itl_over(observation, knobs, bounds, short, ttft_p99) if itl.p99 > p.itl_p99_seconds else None)
-            or (self._ttft_over(observation, knobs, bounds) if ttft_over else None)
+            or (self._itl_over(observation, knobs, bounds, short, ttft_p99) if tail > p.itl_p99_seconds else None)
+            or (self._ttft_over(observation, knobs, bounds, tail) if ttft_over else None)
         )
         if move is None:
             return Decision(knobs, f"{state}: holding")
@@ -144,6 +150,16 @@ class GeneratePolicy:
         cut = _chunk(proposal.max_batch_tokens) < _chunk(knobs.max_batch_tokens)
         self._cut = (knobs.max_batch_tokens, proposal.max_batch_tokens) if cut else None
         return Decision(proposal, f"{state}; {why}: {changes}")
+
+    def _itl_tail(self, observation: Observation) -> tuple[float, str]:
+        """The p99 the ITL objective judges (itl_p99_over), and its name."""
+        itl, tpot = observation.load.latency["itl"], observation.load.latency.get("tpot")
+        if self.params.itl_p99_over == "tokens":
+            return itl.p99, "ITL p99"
+        if tpot is not None and tpot.count >= self.params.min_requests and tpot.p99 is not None:
+            return tpot.p99, "TPOT p99"
+        # Too few requests finished to judge their p99: the mean gap is what their means average to.
+        return (itl.mean if itl.mean is not None else itl.p99), "mean ITL (too few finished for TPOT p99)"
 
     def _kv_thrash(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str] | None:
         ready = _ready(observation)
@@ -179,6 +195,10 @@ class GeneratePolicy:
         chunk = knobs.max_batch_tokens
         half = max(p.min_batch_tokens, chunk // 2) if chunk else 256  # 0 prefilled whole prompts: start chunking
         floor, floor_why = self._chunk_floor_now(observation) if p.ttft_first else (0, "")
+        if p.ttft_first and short:
+            # The mean gap is over too, but a smaller chunk would not bring it down (the same prompt
+            # tokens are prefilled a second either way); it would only slow the prefill a queue waits on.
+            floor, floor_why = _chunk(chunk), "capacity short: a smaller chunk would slow the prefill the queue waits on, not the mean gap"
         held = ""
         if (chunk == 0 or chunk > p.min_batch_tokens) and _prefill_per_step(observation) > half:
             if _chunk(chunk) > floor:
@@ -240,13 +260,13 @@ class GeneratePolicy:
         return back, (f"{shown[0]} on {bet.moved.process_count} × {bet.moved.threads_per_process} against {shown[1]} before: "
                       f"more {bet.kind} did not pay (by {gain:.0%}); back, not again for {self.params.retry_seconds:g} s")
 
-    def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str]:
+    def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, tail: float) -> tuple[Knobs, str]:
         p, itl = self.params, observation.load.latency["itl"]
         queueing = _queueing(observation)
         room = p.headroom * p.itl_p99_seconds
         # With ttft_first, a queue may spend ITL's tail, and the mean up to mean_headroom, on TTFT:
         # every queued request is late already, while a stream is judged by its mean gap.
-        if itl.p99 > room and not (p.ttft_first and queueing and itl.mean is not None and itl.mean <= p.mean_headroom * p.itl_p99_seconds):
+        if tail > room and not (p.ttft_first and queueing and itl.mean is not None and itl.mean <= p.mean_headroom * p.itl_p99_seconds):
             why = f"TTFT over but ITL has no headroom (> {self.params.headroom:g} × its objective): capacity short"
             if queueing and knobs.threads_per_process > 1:
                 # Fewer threads per step may cost ITL, or nothing where a step does not speed up with

@@ -119,8 +119,10 @@ def test_a_generating_engines_observations_carry_ttft_itl_and_the_workers_sequen
     for prompt in ENGINE_PROMPTS:
         list(engine.generate(prompt, SamplingParams(max_tokens=20, temperature=0)))
     observation = telemetry.sample_now()
-    ttft, itl = observation.load.latency["ttft"], observation.load.latency["itl"]
+    ttft, itl, tpot = (observation.load.latency[stage] for stage in ("ttft", "itl", "tpot"))
     assert ttft.count == len(ENGINE_PROMPTS) and itl.count >= 19 * len(ENGINE_PROMPTS) and 0 < itl.p99 and 0 < ttft.p99
+    # one time per output token per finished request: its mean gap, so within the gaps' range
+    assert tpot.count == len(ENGINE_PROMPTS) and itl.p50 * 0.5 <= tpot.p50 <= itl.p99 * 1.1
     (worker,) = observation.workers
     assert worker.kv_tokens_total == engine.info.kv_tokens and worker.running_sequences == 0
     entry = DecisionLoop(GeneratePolicy(), engine.config.bounds, ControllerConfig()).entry(observation, engine.knobs, None, None, "x", "y")

@@ -123,8 +123,10 @@ def test_with_a_queue_the_itl_tail_yields_to_ttft_while_the_mean_gap_holds():
     assert edge.knobs == START and "TTFT without headroom" in edge.reason
     assert decide(gen_obs(0, ttft=1.9, itl=0.3, itl_mean=0.27)).knobs.max_batch_tokens < 256  # the pace lost: cut all the same
     assert decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, **tail), ttft_first=False).knobs.max_batch_tokens < 256
-    slow = decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, itl=0.3, itl_mean=0.27))  # the pace itself is lost
-    assert slow.knobs.max_batch_tokens < 256
+    # the pace itself lost (mean 270 ms) with capacity short: a smaller chunk would not bring the mean
+    # down, only slow the prefill the queue waits on; with full batches and a queue, hold
+    slow = decide(gen_obs(0, ttft=3.0, held=16, queue_depth=5, itl=0.3, itl_mean=0.27))
+    assert slow.knobs == START and "capacity short: a smaller chunk would slow the prefill the queue waits on" in slow.reason
     unjudged = decide(gen_obs(0, ttft=None, first_tokens=0, held=16, queue_depth=5, **tail))  # too few first tokens: hold
     assert unjudged.knobs == START and "capacity short" in unjudged.reason
 
@@ -159,6 +161,22 @@ def test_a_chunk_cut_that_put_ttft_back_over_is_not_made_again_while_the_mean_ga
     assert [chunk for chunk, _ in slow] == [81, 162, 128] and "(down to 128: a chunk under it put TTFT over, 285 s more)" in slow[2][1]
     off = run(ttft_first=False)[2]
     assert [chunk for chunk, _ in off] == [64, 128, 64] and "no cut under" not in off[1][1]
+
+
+def test_over_requests_the_itl_objective_judges_each_requests_mean_gap():
+    """A 256-token chunk makes one 600-ms step per prompt among 150-ms ones: the gaps' p99 is over
+    250 ms, but each request's time per output token (TPOT) is 170 ms. Over tokens the chunk is
+    cut; over requests nothing is over. With too few finished requests, the mean gap stands in."""
+    def obs(tpot_p99, finished=20):
+        o = gen_obs(0, ttft=0.8, itl=0.6, itl_mean=0.16)
+        latency = {**o.load.latency, "tpot": Latency(p50=0.16, p95=0.17, p99=tpot_p99, mean=0.16, count=finished)}
+        return dataclasses.replace(o, load=dataclasses.replace(o.load, latency=latency))
+    assert decide(obs(0.17)).knobs.max_batch_tokens < 256  # tokens, the default
+    met = decide(obs(0.17), itl_p99_over="requests")
+    assert met.knobs == START and "TPOT p99 170 ms of 250 ms" in met.reason and "holding" in met.reason
+    assert decide(obs(0.4), itl_p99_over="requests").knobs.max_batch_tokens < 256  # some requests' pace is lost
+    few = decide(obs(0.4, finished=2), itl_p99_over="requests")
+    assert few.knobs == START and "mean ITL (too few finished for TPOT p99) 160 ms" in few.reason
 
 
 def test_a_change_is_followed_by_a_cooldown():
@@ -226,13 +244,15 @@ def test_on_the_recorded_burst_prompts_waiting_in_the_worker_make_the_chunk_shri
     """Eight 256-token prompts at once: six wait in the worker while steps prefill 512 tokens each
     and ITL p99 is 6.2 s. Judged on that window (it holds only 10 inter-token latencies, so the
     shipped min_tokens of 20 holds there), the prompts waiting fill the chunk: cut it, in
-    proportion to the overshoot but to a quarter at most in one move (without ttft_first)."""
+    proportion to the overshoot but to a quarter at most in one move (without ttft_first; with it,
+    the prompts waiting make capacity short and the chunk stays)."""
     (observation, knobs), = [(o, k) for phase, k, o in recorded() if phase == "heavy" and o.workers[0].waiting_sequences == 6][:1]
     decision = GeneratePolicy(GenerateParams(min_tokens=5, ttft_first=False)).decide(observation, knobs, TWO_CORES)
     assert decision.knobs == knobs.replace(max_batch_tokens=128) and "smaller prefill chunks" in decision.reason
-    # with ttft_first, not below 1.5 × the prompt tokens a step must prefill to keep up with them (the mean gap × the prompt tokens a second)
-    keeping_up = GeneratePolicy(GenerateParams(min_tokens=5)).decide(observation, knobs, TWO_CORES)
-    assert keeping_up.knobs == knobs.replace(max_batch_tokens=285) and "to keep up" in keeping_up.reason
+    # with ttft_first, prompts waiting are a queue: capacity is short, so the chunk stays and the one
+    # worker that has both threads bets on a second one instead
+    queued = GeneratePolicy(GenerateParams(min_tokens=5)).decide(observation, knobs, TWO_CORES)
+    assert queued.knobs == knobs.replace(process_count=2, threads_per_process=1) and "the chunk held at 512 (capacity short" in queued.reason
 
 
 def test_itl_over_with_prompts_that_never_fill_the_chunk_leaves_the_chunk_alone():

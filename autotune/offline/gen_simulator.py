@@ -177,7 +177,7 @@ def _percentiles(values: np.ndarray) -> dict:
 
 
 class GenSimSampler:
-    """The Observation the live sampler builds, from the simulation: TTFT / ITL / total windows,
+    """The Observation the live sampler builds, from the simulation: TTFT / ITL / TPOT / total windows,
     the workers' sequences, KV slots and preemptions."""
 
     def __init__(self, sim: "GenSimulation"):
@@ -185,7 +185,7 @@ class GenSimSampler:
         self.window_seconds = sim.config.window_seconds
         self._load = LoadWindow(self.window_seconds)
         self._busy: dict[int, SnapshotWindow] = {}
-        self.recent: dict[str, deque] = {"ttft": deque(), "itl": deque(), "total": deque()}
+        self.recent: dict[str, deque] = {"ttft": deque(), "itl": deque(), "tpot": deque(), "total": deque()}
         """Stage -> (time, seconds), oldest first, pruned to the window."""
 
     def sample(self, now: float) -> Observation:
@@ -324,6 +324,8 @@ class GenSimulation(SimLoop):
             self.scheduler.router.complete(worker_id, seq.batch_id)
             if recent is not None:
                 recent["total"].append((now, now - self.arrival[r]))
+                if seq.max_tokens > 1:
+                    recent["tpot"].append((now, (now - self.first[r]) / (seq.max_tokens - 1)))
 
 
 def simulate_generation(arrivals, cost_model: GenCostModel, config: GenSimConfig = GenSimConfig(), policy=None) -> GenSimResult:
