@@ -28,7 +28,8 @@ makes at most one move, the first of these that applies:
    the objective holds; else the moves below apply;
    else, with full batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
    or too few first tokens to judge it while sequences queue (capacity is short: fewer rows would
-   only lengthen the queue; hold); else more threads per worker and fewer workers (the same
+   only lengthen the queue; hold); else, with `ttft_first` and capacity short, hold (fewer
+   workers make no more tokens a second); else more threads per worker and fewer workers (the same
    rows on more cores). That last move is a bet: whether a step of more threads is faster
    depends on the CPU and the model (SmolLM2 on two EPYC cores decodes no faster on 1 × 2 than
    on 2 × 1). It is judged on the first window measured wholly after it (the policy holds till
@@ -220,6 +221,11 @@ class GeneratePolicy:
         if self._layout(knobs, bounds, knobs.process_count - 1) == knobs and knobs.threads_per_process > 1:
             # No more threads to give a step: split the rows over more workers instead, judged the same way.
             return self._bet_on_layout(observation, knobs, bounds, "workers", "itl", held + "ITL over, no more threads to give a step: one more worker, fewer rows each")
+        if p.ttft_first and short:
+            # Fewer workers with more threads each may make a step faster, but not more tokens a
+            # second, which a queue lacks; and judged on ITL p50 it would look paid as the burst
+            # that made the queue ends (the live bursts went 2 × 1 -> 1 × 2 at their height and held it).
+            return knobs, held + "ITL over with capacity short: no fewer workers while sequences queue, holding"
         return self._bet_on_layout(observation, knobs, bounds, "threads", "itl", held + "ITL over: more threads per step")
 
     def _bet_on_layout(self, observation: Observation, knobs: Knobs, bounds: Bounds, kind: str, metric: str, why: str) -> tuple[Knobs, str]:

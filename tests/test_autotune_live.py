@@ -113,9 +113,12 @@ def test_aimd_brings_p99_back_within_the_slo_after_a_step(tmp_path):
     policy = tmp_path / "aimd.yaml"
     policy.write_text(yaml.safe_dump({"kind": "aimd", "slo_p99_seconds": slo, "additive_step": 1, "decrease_factor": 0.5, "min_requests": 20, "cooldown_seconds": 2, "increase_below": 0.7}))
     config = {
-        # float32: the step must push p99 past the SLO at first; bf16 (dtype auto here) is fast enough not to
+        # The step must push p99 past the SLO on any CPU: 32 requests take 0.53 s to arrive at 60/s,
+        # so each batch waits out a timeout longer than the SLO (at 0.2 s, a Xeon with AMX served the
+        # step in fp32 at a p99 of 241 ms, inside the 250, and AIMD had nothing to do). Before the step,
+        # 5 req/s give a 3-s window fewer than min_requests, so the policy waits for the step.
         "model": {"dtype": "float32"},
-        "concurrency": {"process_count": 1, "max_batch_size": 32, "batch_timeout": 0.2},
+        "concurrency": {"process_count": 1, "max_batch_size": 32, "batch_timeout": 0.3},
         "monitors": {"interval_seconds": 0.5, "window_seconds": 3},
         "autotune": {"policy": str(policy), "interval_seconds": 1, "cooldown_seconds": 1},
     }

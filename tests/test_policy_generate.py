@@ -361,3 +361,18 @@ def test_a_second_worker_is_judged_by_cost_per_token_not_by_tokens_per_second_wh
     settle(policy, after, split.knobs)
     kept = policy.decide(dataclasses.replace(after, time=21), split.knobs, TWO_CORES)
     assert (kept.knobs.process_count, kept.knobs.threads_per_process) == (2, 1)
+
+
+def test_capacity_short_with_the_mean_gap_over_makes_no_bet_on_fewer_workers():
+    """The live bursts (2026-12-05): at a burst's height, TTFT p99 8-15 s with sequences queued and
+    the mean gap over too, the policy bet on 1 × 2 for ITL; judged on ITL p50 as the burst ended, the
+    bet looked paid and the slower layout held through the drain. With ttft_first a queue holds the
+    layout instead; the same window without a queue still makes the bet."""
+    at_floor = START.replace(max_batch_tokens=32)
+    over = dict(itl=0.4, itl_mean=0.3, held=4)
+    short = decide(gen_obs(0, ttft=3.0, queue_depth=5, **over), at_floor)
+    assert short.knobs == at_floor and "no fewer workers while sequences queue" in short.reason
+    unjudged = decide(gen_obs(0, ttft=None, first_tokens=0, queue_depth=5, **over), at_floor)  # a queue, too few first tokens
+    assert unjudged.knobs == at_floor and "no fewer workers" in unjudged.reason
+    assert decide(gen_obs(0, ttft=3.0, queue_depth=5, **over), at_floor, ttft_first=False).knobs.process_count == 1
+    assert decide(gen_obs(0, ttft=1.0, **over), at_floor).knobs.process_count == 1  # TTFT met, nothing queued: the bet
