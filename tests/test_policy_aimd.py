@@ -92,6 +92,20 @@ def test_aimd_never_shrinks_below_the_items_a_request_brings_each_worker():
     assert policy.decide(obs(3, **single), two, BOUNDS).knobs.max_batch_size == 13
 
 
+def test_aimd_moves_in_whole_shares_of_a_request_of_many_items():
+    """32-text requests on two workers (16 items each): growth from 16 goes to 32, not 18 (batches
+    of 18 and 14 are no faster per item than 16, so the efficiency judge undid 18 and 32 was never
+    tried); a cut from 48 goes to 32, not 36; one-text requests step by 2 as before."""
+    policy = aimd(additive_step=2, cooldown_seconds=0, model_budget_fraction=0.5)
+    two = Knobs(process_count=2, max_batch_size=16)
+    many = dict(arrival=2.0, items_rate=64.0)
+    assert policy.decide(obs(0, p99=0.2, batch_size=16.0, **many), two, BOUNDS).knobs.max_batch_size == 32
+    assert policy.decide(obs(1, p99=0.2, batch_size=30.0, **many), two.replace(max_batch_size=32), BOUNDS).knobs.max_batch_size == 48
+    over = policy.decide(obs(2, p99=1.4, model_mean=0.3, batch_size=48.0, **many), two.replace(max_batch_size=48), BOUNDS)
+    assert over.knobs.max_batch_size == 32
+    assert policy.decide(obs(3, p99=0.2, batch_size=16.0, arrival=2.0, items_rate=2.0), two, BOUNDS).knobs.max_batch_size == 18
+
+
 def test_aimd_undoes_a_growth_that_did_not_pay_and_keeps_a_ceiling():
     policy = aimd(min_efficiency_gain=0.02, ceiling_seconds=100, cooldown_seconds=10, additive_step=4)
     knobs = Knobs(max_batch_size=8)
