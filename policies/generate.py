@@ -136,7 +136,7 @@ class GeneratePolicy:
         # Too few first tokens to judge TTFT (a slow, queued engine makes few): a queue says the same.
         short = ttft_over or (ttft_p99 is None and _queueing(observation))
         move = (
-            self._judge_bet(observation, knobs, ttft_over)
+            self._judge_bet(observation, knobs, ttft_over, tail)
             or self._kv_thrash(observation, knobs, bounds)
             or (self._itl_over(observation, knobs, bounds, short, ttft_p99) if tail > p.itl_p99_seconds else None)
             or (self._ttft_over(observation, knobs, bounds, tail) if ttft_over else None)
@@ -242,10 +242,14 @@ class GeneratePolicy:
             self._bet = _LayoutBet(kind, metric, knobs, moved, measure)
         return moved, why
 
-    def _judge_bet(self, observation: Observation, knobs: Knobs, ttft_over: bool) -> tuple[Knobs, str] | None:
-        """After a layout move: keep it if its metric moved the right way by min_layout_gain, else go
-        back. A bet on more workers also stays when capacity is no longer short (nothing queues, TTFT
-        not over): the offered load may have fallen too, which a cost per token may not show at once."""
+    def _judge_bet(self, observation: Observation, knobs: Knobs, ttft_over: bool, tail: float) -> tuple[Knobs, str] | None:
+        """After a layout move: keep it if its metric moved the right way by min_layout_gain, or if
+        what it was made for holds now, else go back. A bet on more workers was made for capacity:
+        it stays when nothing queues and TTFT is not over (the offered load may have fallen too, which
+        a cost per token may not show at once). A bet for ITL stays when `tail` meets the ITL objective
+        (ITL p50 on fewer threads a step may stay above what it was: the live steady replay undid
+        1 × 2 -> 2 × 1 at an ITL p99 of 233 of 250 ms, its p50 98 against 64 ms measured at a lighter
+        load, and lost 11 % of goodput)."""
         bet = self._bet
         if bet is None:
             return None
@@ -258,12 +262,8 @@ class GeneratePolicy:
         gain, now = self.params.min_layout_gain, _measure(observation, bet.metric, knobs)
         if now is None:
             return None
-        if now <= (1 - gain) * bet.measure or (bet.metric == "cost" and not ttft_over and not _queueing(observation)):
-            return None
-        if bet.metric == "itl" and self._itl_tail(observation)[0] <= self.params.itl_p99_seconds:
-            # The bet was made for the ITL objective, and it is met now: ITL p50 on fewer threads a step
-            # may stay above what it was (the live steady replay undid 1 × 2 -> 2 × 1 at an ITL p99 of
-            # 233 of 250 ms, its p50 98 against 64 ms measured at a lighter load, and lost 11 % of goodput).
+        served = (not ttft_over and not _queueing(observation)) if bet.metric == "cost" else tail <= self.params.itl_p99_seconds
+        if now <= (1 - gain) * bet.measure or served:
             return None
         self._no_bet_until[bet.kind] = observation.time + self.params.retry_seconds
         back = knobs.replace(process_count=bet.before.process_count, threads_per_process=bet.before.threads_per_process)
