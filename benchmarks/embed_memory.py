@@ -2,7 +2,7 @@
 
 Runs the worker's own EmbeddingRunner (fp32 or bf16 mixed, packed or padded) on `--batches`
 batches of random rows and lengths (seeded; ids are random, only the shapes matter to memory),
-reads the process's RSS every `--every` batches, and at the end calls glibc's `malloc_trim(0)`
+reads the process's RSS every `--every` batches (and times the runner: inputs a second), and at the end calls glibc's `malloc_trim(0)`
 and reads it again: what the trim gives back was freed memory the allocator kept, not a leak.
 Each variant runs in a fresh subprocess, so one variant's heap does not carry into the next.
 Prints a table, and with `--plot FILE` draws RSS against batches.
@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 VARIANTS = ("fp32-packed", "bf16-packed", "fp32-padded", "bf16-padded")
 
@@ -42,18 +43,23 @@ def run_variant(variant: str, batches: int, every: int, max_rows: int, tokens: t
     rng = np.random.default_rng(seed)
     samples = [(0, rss_mib())]
     shapes = set()
+    busy, items = 0.0, 0
     for b in range(1, batches + 1):
         rows = int(rng.integers(1, max_rows + 1))
         lengths = tuple(int(n) for n in rng.integers(tokens[0], tokens[1] + 1, rows))
         ids = rng.integers(1000, 20000, (rows, max(lengths))).astype(np.int32)
         out = np.empty((rows, runner.hidden_size), dtype=np.float32)
+        started = time.perf_counter()
         runner.run(ids, lengths, out)
+        busy += time.perf_counter() - started
+        items += rows
         shapes.add(packing.shape(lengths, runner.pack_row_tokens))
         if b % every == 0:
             samples.append((b, rss_mib()))
     before_trim = rss_mib()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return {"variant": variant, "samples": samples, "shapes": len(shapes), "rss_before_trim": before_trim, "rss_after_trim": rss_mib()}
+    return {"variant": variant, "samples": samples, "shapes": len(shapes), "rss_before_trim": before_trim, "rss_after_trim": rss_mib(),
+            "inputs_per_second": items / busy, "cache_capacity": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "default")}
 
 
 def main(argv=None) -> int:
@@ -82,15 +88,15 @@ def main(argv=None) -> int:
         results.append(result)
         s = result["samples"]
         print(f"  RSS {s[0][1]:.0f} -> {s[1][1]:.0f} (after {s[1][0]}) -> {s[-1][1]:.0f} MiB (after {s[-1][0]}); "
-              f"{result['shapes']} shapes; after malloc_trim {result['rss_after_trim']:.0f} MiB", file=sys.stderr, flush=True)
+              f"{result['shapes']} shapes; after malloc_trim {result['rss_after_trim']:.0f} MiB; {result['inputs_per_second']:.0f} inputs/s", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
     else:
-        print("| variant | RSS loaded | after the first " + str(args.every) + " | half-way | at the end | distinct shapes | after malloc_trim(0) |")
-        print("|---|---|---|---|---|---|---|")
+        print("| variant | RSS loaded | after the first " + str(args.every) + " | half-way | at the end | distinct shapes | after malloc_trim(0) | inputs/s in the runner |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in results:
             s = r["samples"]
-            print(f"| {r['variant']} | {s[0][1]:.0f} | {s[1][1]:.0f} | {s[len(s) // 2][1]:.0f} | {s[-1][1]:.0f} | {r['shapes']} | {r['rss_after_trim']:.0f} |")
+            print(f"| {r['variant']} | {s[0][1]:.0f} | {s[1][1]:.0f} | {s[len(s) // 2][1]:.0f} | {s[-1][1]:.0f} | {r['shapes']} | {r['rss_after_trim']:.0f} | {r['inputs_per_second']:.0f} |")
     if args.plot:
         import matplotlib
 

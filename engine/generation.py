@@ -383,12 +383,16 @@ class GenerationRunner:
 
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
         """One plain model call that appends to `cache`; returns float32 logits of the last column."""
+        # The last column as an index, not logits_to_keep=1: a slice of a [1, n, hidden] prompt is a
+        # strided view torch's matmul cannot fold to 2-D, so the LM head ran as a bmm over a copy of
+        # its whole weight (vocab × hidden) on every prefill-only step; indexing gives a contiguous row.
+        last = torch.tensor([ids.shape[1] - 1], device=ids.device)
         out = self._model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=last,
             **{self._cache_kwarg: cache},
         )
         return out.logits[:, -1, :].float()

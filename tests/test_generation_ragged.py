@@ -106,3 +106,23 @@ def test_half_precision_attention_is_computed_in_fp32_on_a_cpu(llama):
     assert torch.equal(ragged._sdpa(module, q, k, v, additive)[0], out)
     plain, _ = ragged._sdpa(module, q.float(), k.float(), v.float(), mask)
     assert plain.dtype == torch.float32 and torch.equal(plain, want)
+
+
+def test_a_prefill_only_step_does_not_copy_the_lm_head_weight(llama):
+    """A step with one prompt and no running rows is a plain call; its last column reaches the LM
+    head as a row torch's matmul folds to 2-D. Sliced (logits_to_keep=1) from a [1, n, hidden]
+    prompt, bf16 ran the head as a bmm over a copy of its whole weight, on every such step."""
+    import copy
+
+    from torch.profiler import ProfilerActivity, profile
+
+    bf16 = copy.deepcopy(llama).to(torch.bfloat16).requires_grad_(False)  # as engine.loading loads it: matmul folds differently with grad
+    weight = bf16.lm_head.weight.numel()
+    runner = GenerationRunner(bf16, [EOS], max_running=4)
+    runner.add(SequenceRequest(0, LONG, greedy(2)))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        outputs = runner.step()
+    assert [o.seq_id for o in outputs] == [0]  # the prompt's first token, from that one call
+    copies = [e for e in prof.events() if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0]
+              and torch.Size(e.input_shapes[0]).numel() == weight]
+    assert not copies, f"the LM head's weight ({weight} values) was copied in a prefill-only step"
