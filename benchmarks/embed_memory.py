@@ -2,8 +2,9 @@
 
 Runs the worker's own EmbeddingRunner (fp32 or bf16 mixed, packed or padded) on `--batches`
 batches of random rows and lengths (seeded; ids are random, only the shapes matter to memory),
-reads the process's RSS every `--every` batches (and times the runner: inputs a second), and at the end calls glibc's `malloc_trim(0)`
-and reads it again: what the trim gives back was freed memory the allocator kept, not a leak.
+reads the process's RSS every `--every` batches (and times the runner: inputs a second), and at
+the end calls glibc's `malloc_trim(0)` and reads it again: what the trim gives back was freed
+memory the allocator kept, not a leak.
 Each variant runs in a fresh subprocess, so one variant's heap does not carry into the next.
 Prints a table, and with `--plot FILE` draws RSS against batches.
 
@@ -21,12 +22,13 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 VARIANTS = ("fp32-packed", "bf16-packed", "fp32-padded", "bf16-padded")
 
 
 def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def run_variant(variant: str, batches: int, every: int, max_rows: int, tokens: tuple[int, int], seed: int, threads: int) -> dict:
