@@ -243,6 +243,7 @@ class ServerConfig(Section):
         return EngineConfig(
             model=m.name, task=m.task, device=m.device, dtype=m.dtype, backend=m.backend, max_input_tokens=m.max_input_tokens,
             kv_cache_mib=m.kv_cache_mib, pack_row_tokens=m.pack_row_tokens, knobs=self.knobs(), bounds=self.bounds_obj(),
+            measure_batch_tokens=self.concurrency.max_batch_tokens == "auto" and not m.device.startswith("cuda"),
             restart_backoff=(self.supervision.restart_backoff_seconds, self.supervision.restart_backoff_max_seconds),
             placement=self.placement.mode,
             placement_cpus=tuple(tuple(cpus) for cpus in self.placement.cpus) if self.placement.cpus else None,

@@ -5,6 +5,7 @@ objectives for all), one server at a time, in the order given, `--rounds` times 
 reversed every other round (A B C, C B A).
 
     python benchmarks/gen_peers.py [--peers selftune,transformers-cb,naive] [--rounds 1] [--out gen-peers] [--quick] [--dtype bfloat16]
+                                   [--start-rate 0.6] [--step-seconds 20]
 
 Prints each run's max req/s within the objectives and output tokens/s, and writes every bench's
 outputs under --out/ROUND-PEER/. `transformers serve` needs `accelerate` (pip install accelerate).
@@ -57,7 +58,7 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     raise TimeoutError(f"{url} did not come up in {timeout:.0f} s")
 
 
-def measure(peer: str, out: str, quick: bool, dtype: str = "float32", port: int = 8041) -> dict:
+def measure(peer: str, out: str, quick: bool, dtype: str = "float32", port: int = 8041, ladder: list[str] = ()) -> dict:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(os.path.join(out, "server.log"), "w") as log:
@@ -65,7 +66,7 @@ def measure(peer: str, out: str, quick: bool, dtype: str = "float32", port: int 
         try:
             wait_up(url, proc)
             # --stop-at-eos: transformers serve refuses ignore_eos (422), so every peer stops at EOS (greedy: the same outputs everywhere).
-            bench = ["selftune", "bench", "--task", "generate", "--url", url, "--stop-at-eos", "--no-generator-check", "--out", out, "--json"] + (["--quick"] if quick else [])
+            bench = ["selftune", "bench", "--task", "generate", "--url", url, "--stop-at-eos", "--no-generator-check", "--out", out, "--json"] + (["--quick"] if quick else []) + list(ladder)
             done = subprocess.run(bench, capture_output=True, text=True, env=env)
             with open(os.path.join(out, "bench.log"), "w") as f:
                 f.write(done.stderr)
@@ -87,7 +88,10 @@ def main() -> int:
     parser.add_argument("--out", default="gen-peers")
     parser.add_argument("--quick", action="store_true", help="selftune bench --quick (15-s steps)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every peer loads the model in this dtype")
+    parser.add_argument("--start-rate", type=float, help="selftune bench --start-rate: the ladder's first rung (default 0.3 req/s)")
+    parser.add_argument("--step-seconds", type=float, help="selftune bench --step-seconds: one rung's length")
     args = parser.parse_args()
+    ladder = [f"--{k.replace('_', '-')}={v}" for k, v in (("start_rate", args.start_rate), ("step_seconds", args.step_seconds)) if v is not None]
     peers = args.peers.split(",")
     rows = []
     for r in range(args.rounds):
@@ -95,7 +99,7 @@ def main() -> int:
             out = os.path.join(args.out, f"{r + 1}-{peer}")
             os.makedirs(out, exist_ok=True)
             print(f"[{time.strftime('%H:%M:%S')}] round {r + 1}: {peer} (load {os.getloadavg()[0]:.2f})", flush=True)
-            rows.append({"round": r + 1, **measure(peer, out, args.quick, args.dtype)})
+            rows.append({"round": r + 1, **measure(peer, out, args.quick, args.dtype, ladder=ladder)})
             print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, "peers.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -5,7 +5,8 @@ some rows decoding while a long prompt is prefilled in chunks beside them.
 
 For each (dtype, chunk), in rotating order, `--rounds` times: the median step with only the rows
 decoding, every step while the prompt prefills (the chunk beside the rows' decode, one model call
-since engine/ragged.py; two before), and the first step after it joined. A call of a small model on
+since engine/ragged.py; two before), and the first step after it joined (engine/gen_chunk.py's timing,
+what `max_batch_tokens: auto` measures at start-up). A call of a small model on
 a CPU reads all its weights once, so each extra model call in a step costs about one decode step.
 """
 
@@ -13,37 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-
-def measure(model, rows: int, prompt: int, chunk: int) -> dict:
-    import torch
-
-    from engine.generation import GenerationRunner, SequenceRequest
-    from engine.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=2048, temperature=0, ignore_eos=True)
-    runner = GenerationRunner(model, [0], max_running=rows + 1, prefill_chunk=None)
-    for i in range(rows):
-        runner.add(SequenceRequest(i, tuple(range(1000 + i, 1064 + i)), params))
-    with torch.inference_mode():
-        runner.step()  # the rows' prompts, whole
-        decode = []
-        for _ in range(5):
-            start = time.perf_counter()
-            runner.step()
-            decode.append(time.perf_counter() - start)
-        runner.prefill_chunk = chunk
-        runner.add(SequenceRequest(rows, tuple(range(2000, 2000 + prompt)), params))
-        prefill = []
-        while runner.num_waiting or runner.prefilling:
-            start = time.perf_counter()
-            runner.step()
-            prefill.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        runner.step()
-        after = time.perf_counter() - start
-    return {"decode_ms": statistics.median(decode) * 1000, "prefill_steps_ms": [round(t * 1000) for t in prefill], "joined_ms": after * 1000}
+from engine.gen_chunk import time_chunk_steps
 
 
 def main() -> None:
@@ -68,7 +40,7 @@ def main() -> None:
     cells = [(dtype, int(chunk)) for chunk in args.chunks.split(",") for dtype in models]
     for r in range(args.rounds):
         for dtype, chunk in cells[r % len(cells):] + cells[: r % len(cells)]:  # a rotating start, so drift spreads over the cells
-            got = measure(models[dtype], args.rows, args.prompt, chunk)
+            got = time_chunk_steps(models[dtype], args.rows, args.prompt, chunk)
             steps = got["prefill_steps_ms"]
             print(f"round {r + 1} {dtype:8s} chunk {chunk:4d}: decode {got['decode_ms']:.0f} ms ({args.rows} rows); while prefilling "
                   f"{len(steps)} steps, median {statistics.median(steps):.0f} ms, max {max(steps)} ms; joined {got['joined_ms']:.0f} ms", flush=True)

@@ -39,9 +39,9 @@ class KnobError(ValueError):
 
 
 CPU_BATCH_TOKENS_PER_THREAD = 32
-"""`max_batch_tokens: auto` on a CPU, per worker thread: prefill is compute-bound, and 32 prompt
-tokens per thread keep a step that also decodes within a 250-ms inter-token objective for a
-small model in fp32 (docs/BENCHMARKS.md, "One model call per step")."""
+"""`max_batch_tokens: auto` on a CPU, per worker thread, until the zygote has measured it
+(engine.gen_chunk): 32 prompt tokens per thread keep a step that also decodes within a 250-ms
+inter-token objective for a small model in fp32 (docs/BENCHMARKS.md, "One model call per step")."""
 CUDA_BATCH_TOKENS = 2048
 """`max_batch_tokens: auto` on CUDA: a GPU step costs about the same for a few or thousands of tokens."""
 
@@ -71,7 +71,8 @@ class Knobs:
     max_batch_tokens: int = 32
     """Generation: most prompt tokens one decode step prefills (the step's token budget); a
     longer prompt is prefilled in chunks while the running sequences keep decoding (0: whole
-    prompts at once). The config file's default, `auto`, starts it at `auto_batch_tokens`."""
+    prompts at once). The config file's default, `auto`, starts it at `auto_batch_tokens`; on a
+    CPU the engine then starts its workers at what the zygote measured (engine.gen_chunk)."""
     kv_tokens: int = 0
     """Generation: token slots each worker's KV cache may hold, at most what model.kv_cache_mib
     holds (0: all of that). Lowered live, the youngest rows are preempted and recomputed."""
@@ -153,6 +154,10 @@ class EngineConfig:
     0 runs them padded."""
     knobs: Knobs = field(default_factory=Knobs)
     bounds: Bounds = field(default_factory=Bounds)
+    measure_batch_tokens: bool = False
+    """Generation on a CPU (`max_batch_tokens: auto`): the zygote measures the prompt chunk a step
+    can prefill per thread (engine.gen_chunk) and knobs.max_batch_tokens starts at that ×
+    threads_per_process instead of its value here."""
     warmup: bool = True
     """Run one dummy batch in each new worker before it takes traffic."""
     max_inflight_batches: int = INFLIGHT_BATCHES

@@ -23,7 +23,7 @@ import numpy as np
 
 from engine import messages as m
 from engine.batcher import Item
-from engine.config import EngineConfig, Knobs, kv_token_slots
+from engine.config import CPU_BATCH_TOKENS_PER_THREAD, EngineConfig, Knobs, kv_token_slots
 from engine.core import EngineCore
 from engine.io_pool import IOPool
 from engine.jobs import EmbedJob, EngineClosed, GenerateJob, InputTooLong, TokenStream
@@ -47,6 +47,8 @@ class Engine:
         self.dtype = None
         self.dtype_choice: dict | None = None
         """How model.dtype was resolved (the zygote's probe), for /stats and /metrics."""
+        self.batch_tokens_choice: dict | None = None
+        """How `max_batch_tokens: auto` was measured (engine.gen_chunk), for /stats; None if it was not."""
         self._zygote_proc: subprocess.Popen | None = None
         self._zygote_conn: Connection | None = None
         self._core: EngineCore | None = None
@@ -88,7 +90,8 @@ class Engine:
     def _start_zygote(self, timeout: float) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         c = self.config
-        args = [str(theirs.fileno()), self.source.path, c.task, c.device, c.dtype, c.backend, c.cache_dir]
+        batch_tokens = str(CPU_BATCH_TOKENS_PER_THREAD) if c.measure_batch_tokens else "fixed"  # measured: the constant is the fallback
+        args = [str(theirs.fileno()), self.source.path, c.task, c.device, c.dtype, c.backend, c.cache_dir, batch_tokens]
         # One BLAS/OpenMP thread in the zygote: it never computes, and its pools must not
         # outlive the fork; each worker sets its own thread count.
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -108,6 +111,11 @@ class Engine:
         if isinstance(msg, m.ZygoteFailed):
             raise RuntimeError(f"loading {self.config.model} failed:\n{msg.error}")
         self.device, self.dtype, self.dtype_choice = msg.device, msg.dtype, msg.dtype_choice
+        if msg.batch_tokens_choice is not None:  # before any worker exists: they all start at the measured chunk
+            self.batch_tokens_choice = msg.batch_tokens_choice
+            low, high = c.bounds.max_batch_tokens
+            tokens = min(max(msg.batch_tokens_choice["per_thread"] * max(1, self.knobs.threads_per_process), low), high)
+            self.knobs = self.knobs.replace(max_batch_tokens=tokens)
 
     def wait_ready(self, timeout: float = 300.0, workers: int = 1) -> None:
         """Block until at least `workers` workers have warmed up and take traffic."""

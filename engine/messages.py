@@ -61,6 +61,9 @@ class ZygoteLoaded:
     dtype_choice: dict | None = None
     """How model.dtype was resolved: requested, dtype, mode, reason, native_bf16, min_cosine
     (worst cosine to fp32 on the probe set), bf16_speedup... (for /stats, /metrics, the log)."""
+    batch_tokens_choice: dict | None = None
+    """`max_batch_tokens: auto` measured on a CPU (engine.gen_chunk): per_thread, reason, the
+    probe's step times; None when the knob was set or not measured here."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ PROBE_TIMEOUT = 120.0
 
 
 def main(argv: list[str]) -> int:
-    fd, model_path, task, device, dtype, backend, cache_dir = int(argv[0]), *argv[1:7]
+    fd, model_path, task, device, dtype, backend, cache_dir, batch_tokens = int(argv[0]), *argv[1:8]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     # Ctrl-C and SIGTERM often reach the whole process group (a terminal, `timeout`, systemd):
     # shutting down is the front process's job; the zygote and workers follow it.
@@ -57,8 +57,10 @@ def main(argv: list[str]) -> int:
     except Exception:
         conn.send(m.ZygoteFailed(traceback.format_exc()))
         return 1
+    # `max_batch_tokens: auto` on a CPU: the chunk a step can prefill, measured on the model as served
+    chunk = _measure_batch_tokens(model, int(batch_tokens)) if batch_tokens != "fixed" and task == "generate" and device == "cpu" else None
     freeze_startup_heap()
-    conn.send(m.ZygoteLoaded(device, choice["dtype"], choice))
+    conn.send(m.ZygoteLoaded(device, choice["dtype"], choice, chunk))
     while True:
         try:
             msg = conn.recv()
@@ -164,6 +166,26 @@ def _load_generation(model_path: str, device: str):
     result = _in_probe_child(lambda: _probe_generation(model_path, model)) if native[0] else {}
     choice = decide_generation_dtype("auto", native, result.get("probe"), result.get("error"))
     return (model.to(torch.bfloat16) if choice["dtype"] == "bfloat16" else model), choice
+
+
+def _measure_batch_tokens(model, fallback: int) -> dict:
+    """engine.gen_chunk's probe in a probe child, on one thread; its decision (the constant
+    `fallback` per thread if the probe failed)."""
+    from engine.gen_chunk import decide_batch_tokens, probe_batch_tokens
+
+    def probe() -> dict:
+        import torch
+
+        from engine.worker import die_with_parent
+
+        die_with_parent()
+        torch.set_num_threads(1)  # as a worker with threads_per_process 1 runs
+        return {"probe": probe_batch_tokens(model)}
+
+    result = _in_probe_child(probe)
+    choice = decide_batch_tokens(result.get("probe"), fallback, result.get("error"))
+    log.info("max_batch_tokens auto: %d prompt tokens a step per worker thread (%s)", choice["per_thread"], choice["reason"])
+    return choice
 
 
 def _probe_generation(model_path: str, model) -> dict:

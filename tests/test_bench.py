@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from autotune.bench import loadgen
@@ -159,7 +160,14 @@ def test_verdicts_set_the_best_mode_against_the_limit_at_the_batch_it_ran():
 def test_poisson_arrivals_are_seeded_and_at_the_rate():
     a = poisson_arrivals(50, 20, seed=3)
     assert a == poisson_arrivals(50, 20, seed=3) and a != poisson_arrivals(50, 20, seed=4)
-    assert 900 < len(a) < 1100 and all(0 <= t < 20 for t in a) and a == sorted(a)
+    assert all(0 <= t < 20 for t in a) and a == sorted(a)
+    # the count is the rate's, whatever the seed: a step labelled 1.5 req/s offers 1.5 req/s,
+    # in its judged part too (here the last 10 of 15 s)
+    assert {len(poisson_arrivals(1.5, 16, seed=s)) for s in range(20)} == {24} and len(a) == 1000
+    assert {sum(t >= 5 for t in poisson_arrivals(1.5, 15, seed=s, judged_from=5)) for s in range(20)} == {15}
+    # ...while the times stay a Poisson process's: the gaps' coefficient of variation is about 1
+    gaps = np.diff(a)
+    assert 0.85 < gaps.std() / gaps.mean() < 1.15
 
 
 def test_modes_on_two_and_sixteen_cores():

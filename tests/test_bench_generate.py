@@ -88,6 +88,11 @@ def test_generation_modes_ask_the_server_to_generate():
     config = mode("multiprocess", 2).server_config("builtin:smollm2", task="generate")
     assert config["model"] == {"name": "builtin:smollm2", "task": "generate"}
     assert mode("multiprocess", 2).server_config("builtin:minilm")["model"]["task"] == "embed"
+    # the shipped modes' servers measure their chunk as `selftune serve` does; a chunk named stays as named
+    assert config["concurrency"]["max_batch_tokens"] == "auto" and mode("default", 2).server_config("m")["concurrency"]["max_batch_tokens"] == "auto"
+    assert mode("static:process_count=1", 2).server_config("m")["concurrency"]["max_batch_tokens"] == "auto"
+    assert mode("static:max_batch_tokens=256", 2).server_config("m")["concurrency"]["max_batch_tokens"] == 256
+    assert mode("autotuned", 2).server_config("m")["concurrency"]["max_batch_tokens"] == 32  # seed A is a config a user wrote
 
 
 def test_the_generation_oracle_tries_both_layouts_batches_and_a_small_prefill_chunk():

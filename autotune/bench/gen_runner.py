@@ -94,10 +94,10 @@ class GenRunLog(RunLog):
 
 def measure_gen_step(log: GenRunLog, rate: float, plan: GenPlan, body: Body, seed: int, cpu_seconds: Callable[[], float] | None = None,
                      seconds: float | None = None, settle: float | None = None) -> tuple[GenStepResult, list[StreamResult]]:
-    """Offer `rate` req/s (Poisson) for the plan's step length; judge the part after the settling share."""
+    """Offer `rate` req/s (Poisson, its count fixed in both parts) for the plan's step length; judge the part after the settling share."""
     seconds = plan.seconds_at(rate) if seconds is None else seconds
     settle = plan.settle if settle is None else settle
-    arrivals = poisson_arrivals(rate, seconds, seed)
+    arrivals = poisson_arrivals(rate, seconds, seed, settle * seconds)
     cpu0, t0 = (cpu_seconds() if cpu_seconds else 0.0), time.monotonic()
     results = log.stream(arrivals, body, plan.path, cut_after=seconds + plan.grace)
     wall = time.monotonic() - t0

@@ -45,13 +45,16 @@ class Mode:
     """model.dtype for its server; None leaves the config's default (auto)."""
     backend: str | None = None
     """model.backend for its server; None leaves the config's default (auto)."""
+    shipped_batch_tokens: bool = False
+    """Its server keeps the shipped `max_batch_tokens: auto` (generation on a CPU: measured at
+    start-up) instead of knobs.max_batch_tokens."""
 
     def server_config(self, model: str, policy: str | None = None, task: str = "embed") -> dict:
         """The `selftune serve` config for this mode (`task` generate: max_batch_size is running sequences per worker)."""
         served = {key: value for key, value in (("dtype", self.dtype), ("backend", self.backend)) if value}
         config = {
             "model": {"name": model, "task": task, **served},
-            "concurrency": dataclasses.asdict(self.knobs),
+            "concurrency": {**dataclasses.asdict(self.knobs), **({"max_batch_tokens": "auto"} if self.shipped_batch_tokens else {})},
             "server": {"log_level": "warning"},
             "autotune": {"enabled": self.autotune, "allow_oversubscription": self.allow_oversubscription},
             # the static modes keep exactly these knobs, oversubscribed or not
@@ -85,23 +88,26 @@ def mode(name: str, cores: int) -> Mode:
         inner = mode(base, cores)
         return dataclasses.replace(inner, name=name, dtype=dtype, backend=backend)  # the table names what its server served
     if name == "default":
-        return Mode(name, SHIPPED.replace(process_count=n), autotune=True, description=f"the shipped config ({n} × 1), default policy")
+        return Mode(name, SHIPPED.replace(process_count=n), autotune=True, description=f"the shipped config ({n} × 1), default policy", shipped_batch_tokens=True)
     if name == "multiprocess":
-        return Mode(name, SHIPPED.replace(process_count=n, threads_per_process=1, io_threads=0), description=f"{n} × 1, inline pre/post")
+        return Mode(name, SHIPPED.replace(process_count=n, threads_per_process=1, io_threads=0), description=f"{n} × 1, inline pre/post", shipped_batch_tokens=True)
     if name == "multithread":
-        return Mode(name, SHIPPED.replace(process_count=1, threads_per_process=n, io_threads=2), description=f"1 × {n}, pre/post pool of 2")
+        return Mode(name, SHIPPED.replace(process_count=1, threads_per_process=n, io_threads=2), description=f"1 × {n}, pre/post pool of 2",
+                    shipped_batch_tokens=True)
     if name == "hybrid":
         processes = max(2, n // 2)
         threads = max(2, n // processes)
         over = processes * threads > n
         note = f"{processes} × {threads}, pre/post pool of 2" + (f" (oversubscribes {n} cores)" if over else "")
-        return Mode(name, SHIPPED.replace(process_count=processes, threads_per_process=threads, io_threads=2), allow_oversubscription=over, description=note)
+        return Mode(name, SHIPPED.replace(process_count=processes, threads_per_process=threads, io_threads=2), allow_oversubscription=over, description=note,
+                    shipped_batch_tokens=True)
     if name == "autotuned":
         return Mode(name, SEED_DEFAULTS, autotune=True, description="default policy from 4 × 2, 0.1 s, batch 32")
     kind, _, knobs = name.partition(":")
     if kind == "static" and knobs:
         k = parse_knobs(knobs, SHIPPED)
-        return Mode(name, k, allow_oversubscription=k.process_count * k.threads_per_process > n, description=describe(k))
+        shipped = "max_batch_tokens" not in knobs  # a knob not named is the shipped config's
+        return Mode(name, k, allow_oversubscription=k.process_count * k.threads_per_process > n, description=describe(k), shipped_batch_tokens=shipped)
     if kind == "autotuned" and knobs:
         k = parse_knobs(knobs, SEED_DEFAULTS)
         return Mode(name, k, autotune=True, description="default policy from " + describe(k))

@@ -66,6 +66,8 @@ async def stats(request: Request):
         # how model.dtype was resolved: requested, dtype, reason, native_bf16, min_cosine (worst
         # cosine to fp32 on the probe set), bf16_speedup...; None if the engine does not say
         "dtype_choice": engine.dtype_choice,
+        # how `max_batch_tokens: auto` was measured at start-up (per_thread, reason, step times); None if it was not
+        "batch_tokens_choice": engine.batch_tokens_choice,
     }
     snapshot["pinned"] = sorted(state.pinned)
     snapshot["server"] = {
