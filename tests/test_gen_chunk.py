@@ -73,3 +73,18 @@ def test_the_server_starts_at_the_measured_chunk_and_shows_it(tiny_causal_lm, tm
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_the_simulator_starts_auto_where_the_live_probe_would_on_the_profiled_machine():
+    from autotune import shipped
+    from autotune.offline.gen_cli import sim_knobs
+    from autotune.offline.gen_costmodel import auto_batch_tokens, load_gen_cost_model
+
+    cost = load_gen_cost_model(str(shipped.resolve("builtin:epyc-2core-smollm2-generate", shipped.COST_MODEL)))
+    choice = auto_batch_tokens(cost)  # the same decision, on the cost model's steps instead of timed ones
+    assert choice == decide_batch_tokens({"rows": 4, "chunk": 128, "decode_ms": choice["decode_ms"], "chunk_step_ms": choice["chunk_step_ms"]}, 32)
+    assert choice["decode_ms"] == 1000 * cost.step_seconds(0, 4, 72, 1) and choice["chunk_step_ms"] > choice["decode_ms"]
+    per_thread = choice["per_thread"]
+    assert sim_knobs("process_count=2,max_batch_tokens=auto", cost).max_batch_tokens == per_thread
+    assert sim_knobs("process_count=1,threads_per_process=2,max_batch_tokens=auto", cost).max_batch_tokens == 2 * per_thread
+    assert sim_knobs("process_count=2,max_batch_tokens=64", cost).max_batch_tokens == 64

@@ -12,7 +12,7 @@ import sys
 import pytest
 from test_generation import gpt2, greedy  # noqa: F401  (fixtures)
 
-from autotune.offline.gen_costmodel import GenCostModel, load_gen_cost_model
+from autotune.offline.gen_costmodel import GenCostModel, auto_batch_tokens, load_gen_cost_model
 from autotune.offline.gen_simulator import GenSimConfig, GenWorker, _Seq, simulate_generation
 from autotune.offline.gen_workload import generation_arrivals
 from engine.config import Knobs
@@ -93,9 +93,11 @@ def test_simulate_and_tune_run_for_generate_on_a_trace(tmp_path):
     assert load_gen_cost_model(str(cost)).by_threads == COST.by_threads
     workload = f"trace:path={TRACE},duration=60,speed=2"
     result = _cli("simulate", "--task", "generate", "--workload", workload, "--cost-model", str(cost),
-                  "--policy", "builtin:generate", "--knobs", "process_count=1,threads_per_process=2,max_batch_size=4", "--json")
+                  "--policy", "builtin:generate", "--knobs", "process_count=1,threads_per_process=2,max_batch_size=4,max_batch_tokens=auto", "--json")
     assert result["task"] == "generate" and result["completed"] == result["requests"] > 10
     assert result["knob_trajectory"][0]["max_batch_size"] == 4 and result["ttft_seconds"]["p99"] > 0
+    # auto: the chunk the live probe would pick on the profiled machine, per thread × 2 threads
+    assert result["knob_trajectory"][0]["max_batch_tokens"] == 2 * auto_batch_tokens(COST)["per_thread"]
     assert result["dtype"] == "float32"
     # a cost model measured in fp32 does not simulate a server forced to bf16
     wrong = subprocess.run([sys.executable, "-m", "autotune.cli", "simulate", "--task", "generate", "--workload", workload, "--cost-model", str(cost),

@@ -114,7 +114,7 @@ def load_checked_cost_model(spec: str, dtype: str, load=None):
 
 
 def _sim_arguments(parser) -> None:
-    parser.add_argument("--knobs", default=None, help="starting knobs, e.g. process_count=2,max_batch_size=8,batch_timeout=0.005")
+    parser.add_argument("--knobs", default=None, help="starting knobs, e.g. process_count=2,max_batch_size=8,batch_timeout=0.005 (generate: max_batch_tokens=auto is what the live server would measure, read off the cost model)")
     parser.add_argument("--cores", type=int, default=None, help="cores the workers share (default: this machine's)")
     parser.add_argument("--max-inflight-batches", type=int, default=INFLIGHT_BATCHES)
     parser.add_argument("--startup-seconds", type=float, default=1.0)

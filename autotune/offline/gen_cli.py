@@ -32,6 +32,17 @@ def run_gen_profile(args) -> int:
     return 0
 
 
+def sim_knobs(text: str, cost_model) -> Knobs:
+    """`--knobs` for generation; `max_batch_tokens=auto` is what the live server would measure on
+    the machine the cost model was profiled on (per thread, × threads_per_process)."""
+    from autotune.offline.gen_costmodel import auto_batch_tokens
+
+    knobs = parse_knobs(text.replace("max_batch_tokens=auto", ""))
+    if "max_batch_tokens=auto" in text:
+        knobs = knobs.replace(max_batch_tokens=auto_batch_tokens(cost_model)["per_thread"] * knobs.threads_per_process)
+    return knobs
+
+
 def gen_sim_config(args, knobs: Knobs | None = None, **extra):
     from autotune.offline.gen_simulator import GenSimConfig
 
@@ -57,7 +68,7 @@ def run_gen_simulate(args) -> int:
         cost_model = load_checked_cost_model(cost_spec, args.dtype, load_gen_cost_model)
         arrivals = generation_arrivals(args.workload, cost_model.max_positions)
         policy = load_policy(str(shipped.resolve(args.policy, shipped.POLICY)))
-        config = gen_sim_config(args)
+        config = gen_sim_config(args, sim_knobs(args.knobs or GEN_KNOBS, cost_model))
     except (ValueError, OSError, KeyError) as exc:  # a PolicyError is a ValueError
         print(f"selftune simulate: {exc}", file=sys.stderr)
         return 2

@@ -101,3 +101,16 @@ def fit(points: list) -> dict[int, tuple[tuple[float, float, float], tuple[float
         d, _ = nnls(np.column_stack([np.ones_like(r), r, r * c]) / dec[:, 4:5], np.ones(len(dec)))
         out[int(threads)] = (tuple(float(x) for x in p), tuple(float(x) for x in d))
     return out
+
+
+def auto_batch_tokens(cost: GenCostModel) -> dict:
+    """`max_batch_tokens: auto` as a live server on the profiled machine starts it: engine.gen_chunk's
+    decision on the steps its probe times (a decode step of PROBE_ROWS short rows, and one with a
+    PROBE_CHUNK-token chunk beside them, one thread), read off this cost model instead of timed."""
+    from engine.config import CPU_BATCH_TOKENS_PER_THREAD
+    from engine.gen_chunk import PROBE_CHUNK, PROBE_ROWS, decide_batch_tokens
+
+    columns = 72  # the probe's rows: 64-token prompts and a few tokens made
+    probe = {"rows": PROBE_ROWS, "chunk": PROBE_CHUNK, "decode_ms": 1000 * cost.step_seconds(0, PROBE_ROWS, columns, 1),
+             "chunk_step_ms": 1000 * cost.step_seconds(PROBE_CHUNK, PROBE_ROWS, columns, 1)}
+    return decide_batch_tokens(probe, CPU_BATCH_TOKENS_PER_THREAD)
