@@ -2,9 +2,10 @@
 
 `RateLadder` is pure logic (results in, next rate out), so the search is testable without a
 server. `measure_step` runs one rate against a server and judges it: Poisson arrivals for
-`seconds` (as many as the rate makes, in the settling part and in the judged part), the first `settle` share of the step not judged (an autotuned server gets the same
-time to react that a static one does not need), and the step passes when the p99 latency of
-the judged requests is within the SLO and at least 99 % of them got a 200.
+`seconds` (as many as the rate makes, in the settling part and in the judged part), the first
+`settle` share of the step not judged (an autotuned server gets the same time to react that a
+static one does not need), and the step passes when the p99 latency of the judged requests is
+within the SLO and at least 99 % of them got a 200.
 """
 
 from __future__ import annotations
