@@ -113,9 +113,8 @@ class Engine:
         self.device, self.dtype, self.dtype_choice = msg.device, msg.dtype, msg.dtype_choice
         if msg.batch_tokens_choice is not None:  # before any worker exists: they all start at the measured chunk
             self.batch_tokens_choice = msg.batch_tokens_choice
-            low, high = c.bounds.max_batch_tokens
-            tokens = min(max(msg.batch_tokens_choice["per_thread"] * max(1, self.knobs.threads_per_process), low), high)
-            self.knobs = self.knobs.replace(max_batch_tokens=tokens)
+            tokens = msg.batch_tokens_choice["per_thread"] * max(1, self.knobs.threads_per_process)
+            self.knobs = c.bounds.clamp(self.knobs.replace(max_batch_tokens=tokens))
 
     def wait_ready(self, timeout: float = 300.0, workers: int = 1) -> None:
         """Block until at least `workers` workers have warmed up and take traffic."""
