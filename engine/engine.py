@@ -75,7 +75,7 @@ class Engine:
     def _start(self, ready_timeout: float) -> None:
         self.source = resolve_model(self.config.model, self.config.cache_dir)
         self.tokenizer = load_tokenizer(self.source.path)
-        self.info = model_info(self.source.path, self.tokenizer)
+        self.info = model_info(self.source.path, self.tokenizer, self.config.task)
         self._start_zygote(ready_timeout)
         if self.config.task == "generate":
             slots = kv_token_slots(self.config.kv_cache_mib, self.info.kv_values_per_token, self.dtype)

@@ -179,10 +179,11 @@ def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=True)]
 
 
-def model_info(path: str, tokenizer) -> ModelInfo:
+def model_info(path: str, tokenizer, task: str = "embed") -> ModelInfo:
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(path)
+    check_task(config, task, path)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text_config, "hidden_size", None) or getattr(text_config, "n_embd")
     limits = [
@@ -199,6 +200,27 @@ def model_info(path: str, tokenizer) -> ModelInfo:
     return ModelInfo(
         hidden_size=int(hidden), max_length=int(max_length), eos_token_ids=eos, pad_token_id=int(pad), vocab_size=int(vocab),
         kv_values_per_token=_kv_values_per_token(text_config, int(hidden)),
+    )
+
+
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+"""How transformers names the architectures `AutoModelForCausalLM` loads with their own head."""
+
+
+def check_task(config, task: str, path: str) -> None:
+    """A ValueError, before any worker starts, when `task` is generate and the model is not a
+    causal LM: `AutoModelForCausalLM` would load an encoder (BERT) with a new, untrained head and
+    serve noise. A config that names no architecture is let through (nothing to tell by)."""
+    if task != "generate":
+        return  # a decoder's mean-pooled states are embeddings too
+    architectures = list(getattr(config, "architectures", None) or [])
+    causal = any(a.endswith(CAUSAL_LM_SUFFIXES) for a in architectures) or (not architectures and getattr(config, "is_decoder", True))
+    if causal and not getattr(config, "is_encoder_decoder", False):
+        return
+    raise ValueError(
+        f"model at {path!r} ({', '.join(architectures) or config.model_type}) is not a causal language model, so it "
+        f"cannot serve task: generate; serve it with --task embed, or give a model whose architecture ends in "
+        f"{' or '.join(CAUSAL_LM_SUFFIXES)}"
     )
 
 

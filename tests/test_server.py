@@ -295,3 +295,22 @@ def test_default_config_loads_and_documents_every_key():
         for key in model.annotation.model_fields:
             assert f"{key}:" in text, f"configs/default.yaml does not document {section}.{key}"
     assert config.engine_config().model == "builtin:minilm"
+
+
+def test_an_encoder_refuses_to_serve_generate(tiny_causal_lm):
+    """AutoModelForCausalLM would load MiniLM (BERT) with a fresh, untrained head and stream noise:
+    the start fails instead, naming the task and the architecture, before any worker starts."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    from engine.loading import check_task
+
+    result = subprocess.run([sys.executable, "-m", "autotune.cli", "serve", "--model", "builtin:minilm", "--task", "generate", "--port", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "BertModel" in result.stderr and "task: generate" in result.stderr and "--task embed" in result.stderr
+    assert "worker 0" not in result.stderr
+    check_task(AutoConfig.from_pretrained(tiny_causal_lm), "generate", tiny_causal_lm)  # GPT2LMHeadModel: served
+    check_task(AutoConfig.from_pretrained(minilm_dir()), "embed", minilm_dir())

@@ -134,7 +134,7 @@ def _model(spec: str, say):
 
     source = resolve_model(spec, EngineConfig().cache_dir)
     tokenizer = load_tokenizer(source.path)
-    context = model_info(source.path, tokenizer).max_length
+    context = model_info(source.path, tokenizer, "generate").max_length
     say(f"model: {source.name} ({source.path}), context {context} tokens")
     return source.path, context, gen_inputs.PromptBuilder(tokenizer)
 

@@ -98,7 +98,7 @@ def _child(path: str, threads: int, batches, prompt_tokens: int, duration: float
         from engine.loading import load_model, load_tokenizer, model_info
 
         model = load_model(path, "generate", getattr(torch, dtype))
-        info = model_info(path, load_tokenizer(path))
+        info = model_info(path, load_tokenizer(path), "generate")
         prompt_tokens = max(1, min(prompt_tokens, info.max_length // 4))
         max_tokens = info.max_length - prompt_tokens  # room for as many decode steps as the context allows
         runner = GenerationRunner(model, info.eos_token_ids, max_running=max(batches))

@@ -29,7 +29,7 @@ CALIBRATED_COST_MODEL = "costmodel-calibrated.json"
 def register(subparsers) -> None:
     """Add the profile, simulate and tune subcommands to the `selftune` parser."""
     p = subparsers.add_parser("profile", help="measure the model on this machine and fit a cost model")
-    p.add_argument("--model", default="builtin:minilm")
+    p.add_argument("--model", help="default: builtin:minilm (embed), builtin:smollm2 (generate)")
     p.add_argument("--task", default="embed", choices=["embed", "generate"], help="generate: time the generation runner's steps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="embed: model.dtype to profile: auto (the default) measures what the server chooses on this CPU (the zygote's own choice)")
@@ -162,11 +162,13 @@ def run_profile(args) -> int:
     from autotune.offline.profiler import FULL, QUICK, plot, profile
 
     if args.task == "generate":
+        from autotune.bench.gen_cli import DEFAULT_MODEL
         from autotune.offline.gen_cli import run_gen_profile
 
+        args.model = args.model or DEFAULT_MODEL
         return run_gen_profile(args)
 
-    model = profile(args.model, args.dtype, QUICK if args.quick else FULL, args.seed)
+    model = profile(args.model or "builtin:minilm", args.dtype, QUICK if args.quick else FULL, args.seed)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     model.save(args.out)
     png = os.path.splitext(args.out)[0] + ".png"

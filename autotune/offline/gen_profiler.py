@@ -32,7 +32,7 @@ def profile_generation(model_spec: str, grid: dict = QUICK, say=lambda msg: None
     from engine.model_source import resolve_model
 
     source = resolve_model(model_spec, EngineConfig().cache_dir)
-    info = model_info(source.path, load_tokenizer(source.path))
+    info = model_info(source.path, load_tokenizer(source.path), "generate")
     choice = served_choice(source.path, dtype, task="generate")
     say(f"profiling in {choice['dtype']} (model.dtype {dtype}: {choice['reason']})")
     model = load_model(source.path, "generate", getattr(torch, choice["dtype"]))
