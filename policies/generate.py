@@ -48,7 +48,10 @@ makes at most one move, the first of these that applies:
    and say so. One more worker that takes threads from the others is a bet too (fewer threads
    per step may cost ITL, or nothing where steps do not speed up with threads): kept if the
    cores busy per output token fell by `min_layout_gain` or nothing queues any more, else undone;
-5. otherwise hold (both met).
+5. both met with headroom (p99s <= `headroom` × their objectives), nothing queued, and ITL cut the
+   chunk: back to the chunk its first cut came from (a cut made for one burst must not meet the
+   next); a cut that comes straight back keeps the chunk down for `retry_seconds`;
+6. otherwise hold (both met).
 
 The threads a layout spreads over are the bounds' most threads per worker (the controller sets
 it to the usable cores). Only the knobs named here change; batch_timeout and io_threads pass through.
@@ -118,6 +121,11 @@ class GeneratePolicy:
         """(from, to) of max_batch_tokens when the last change was ITL cutting the chunk."""
         self._chunk_floor: tuple[int, float] | None = None
         """(chunk, until): a cut below this chunk put TTFT back over; with ttft_first, ITL does not cut under it till then."""
+        self._chunk_home: int | None = None
+        """The chunk ITL's first cut (of a run of cuts) came from, until the chunk is back at it."""
+        self._restored_at = float("-inf")
+        self._no_restore_until = float("-inf")
+        """A cut that came right after a restore: the load needs it, no restore till then."""
 
     def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
         p = self.params
@@ -140,6 +148,7 @@ class GeneratePolicy:
             or self._kv_thrash(observation, knobs, bounds)
             or (self._itl_over(observation, knobs, bounds, short, ttft_p99) if tail > p.itl_p99_seconds else None)
             or (self._ttft_over(observation, knobs, bounds, tail) if ttft_over else None)
+            or self._restore_chunk(observation, knobs, bounds, tail, ttft_p99)
         )
         if move is None:
             return Decision(knobs, f"{state}: holding")
@@ -150,7 +159,26 @@ class GeneratePolicy:
         self._changed_at = observation.time
         cut = _chunk(proposal.max_batch_tokens) < _chunk(knobs.max_batch_tokens)
         self._cut = (knobs.max_batch_tokens, proposal.max_batch_tokens) if cut else None
+        if cut and observation.time - self._restored_at <= p.cooldown_seconds + 2 * observation.window_seconds:
+            self._no_restore_until = observation.time + p.retry_seconds
+        if cut and self._chunk_home is None:
+            self._chunk_home = knobs.max_batch_tokens
+        elif self._chunk_home is not None and _chunk(proposal.max_batch_tokens) >= _chunk(self._chunk_home):
+            self._chunk_home = None
         return Decision(proposal, f"{state}; {why}: {changes}")
+
+    def _restore_chunk(self, observation: Observation, knobs: Knobs, bounds: Bounds, tail: float, ttft_p99: float | None) -> tuple[Knobs, str] | None:
+        """Both objectives met with headroom, nothing queued, and ITL had cut the chunk: back to the
+        chunk it was cut from. A cut made for a burst's load would otherwise outlive it and slow the
+        next burst's prefill (the live bursty replay cut 128 -> 83 at a burst's end and met the next
+        burst at 83, TTFT p99 4.3 s). A cut that comes straight back after a restore stays for retry_seconds."""
+        p, home = self.params, self._chunk_home
+        if home is None or _queueing(observation) or observation.time < self._no_restore_until:
+            return None
+        if tail > p.headroom * p.itl_p99_seconds or (ttft_p99 is not None and ttft_p99 > p.headroom * p.ttft_p99_seconds):
+            return None
+        self._restored_at = observation.time
+        return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", home)), f"both objectives met with headroom (× {p.headroom:g}), nothing queued: the chunk ITL cut goes back to {home}"
 
     def _itl_tail(self, observation: Observation) -> tuple[float, str]:
         """The p99 the ITL objective judges (itl_p99_over), and its name."""

@@ -163,6 +163,34 @@ def test_a_chunk_cut_that_put_ttft_back_over_is_not_made_again_while_the_mean_ga
     assert [chunk for chunk, _ in off] == [64, 128, 64] and "no cut under" not in off[1][1]
 
 
+def test_a_chunk_cut_for_a_burst_goes_back_once_the_load_has_gone_unless_the_cut_comes_straight_back():
+    """The live bursty replay (2026-12-05, burstQ1): ITL cut the chunk 128 -> 83 as the first burst
+    ended and the second burst met 83 (TTFT p99 4.3 s). Once both objectives are met with headroom
+    and nothing queues, the chunk goes back to where the first cut came from; not while ITL or TTFT
+    lacks headroom or sequences queue. If ITL cuts again right after, the load needs the cut: no
+    restore for retry_seconds."""
+    policy = GeneratePolicy(GenerateParams(retry_seconds=300))
+    knobs = START.replace(max_batch_tokens=128)
+    steps = [(0, gen_obs(0, ttft=1.08, itl=0.35, itl_mean=0.11, prompt=100)),  # the burst's end: ITL cuts
+             (15, gen_obs(15, ttft=0.6, itl=0.2, itl_mean=0.1)),                 # ITL without headroom (> 175 ms): hold
+             (30, gen_obs(30, ttft=0.4, itl=0.15, queue_depth=2)),               # sequences queue: hold
+             (45, gen_obs(45, ttft=0.4, itl=0.15)),                              # quiet: back to 128
+             (60, gen_obs(60, ttft=0.4, itl=0.15))]                              # at home: hold
+    chunks, reasons = [], []
+    for t, obs in steps:
+        decision = policy.decide(obs, knobs, TWO_CORES)
+        knobs = decision.knobs
+        chunks.append(knobs.max_batch_tokens)
+        reasons.append(decision.reason)
+    assert chunks == [64, 64, 64, 128, 128]
+    assert "nothing queued: the chunk ITL cut goes back to 128" in reasons[3]
+    # cut again within two windows of the restore: the load needs it, and the chunk stays down
+    cut = policy.decide(gen_obs(70, ttft=1.0, itl=0.35, itl_mean=0.11, prompt=100), knobs, TWO_CORES).knobs
+    assert cut.max_batch_tokens == 64
+    assert policy.decide(gen_obs(100, ttft=0.4, itl=0.15), cut, TWO_CORES).knobs == cut
+    assert policy.decide(gen_obs(400, ttft=0.4, itl=0.15), cut, TWO_CORES).knobs.max_batch_tokens == 128  # retry_seconds later
+
+
 def test_over_requests_the_itl_objective_judges_each_requests_mean_gap():
     """A 256-token chunk makes one 600-ms step per prompt among 150-ms ones: the gaps' p99 is over
     250 ms, but each request's time per output token (TPOT) is 170 ms. Over tokens the chunk is
