@@ -169,6 +169,8 @@ class GenerationRunner:
         self._max_positions = _max_positions(model)
         self._fused = ragged.enable(model)
         """One model call per step, however many parts (engine/ragged.py); else one per part."""
+        self._padded = self._fused and self._device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16)
+        """Steps run at ragged.padded_tokens' sizes: oneDNN's half-precision kernels are compiled per shape."""
 
         self._waiting: OrderedDict[int, _Sequence] = OrderedDict()
         self._rows: list[_Sequence] = []  # running sequences, in cache row order
@@ -338,7 +340,9 @@ class GenerationRunner:
         (engine/ragged.py), else one call per part. Returns the running rows' logits and each
         prefill's last-token logits."""
         rows, device = len(self._rows), self._device
-        fused = self._fused and bool(rows) + len(prefills) > 1
+        tokens = rows + sum(end - p.done for p, end in zip(prefills, ends))
+        size = ragged.padded_tokens(tokens) if self._padded else tokens
+        fused = self._fused and (bool(rows) + len(prefills) > 1 or size != tokens)  # one part alone runs plain at its own size
         # The parts' own masks serve only a ragged call; a plain call builds its mask from the 2-D one.
         parts, ids, positions = [], [], []
         if rows:
@@ -352,7 +356,7 @@ class GenerationRunner:
         if fused:
             last = torch.tensor([part.tokens for part in parts]).cumsum(0) - 1
             keep = torch.cat([torch.arange(rows), last[1:]]) if rows else last
-            logits = ragged.forward(self._model, self._cache_kwarg, torch.cat(ids)[None], torch.cat(positions)[None], parts, keep.to(device))
+            logits = ragged.forward(self._model, self._cache_kwarg, torch.cat(ids)[None], torch.cat(positions)[None], parts, keep.to(device), size)
             return (logits[:rows] if rows else None), list(logits[rows:])
         logits = []
         for part, part_ids, part_positions in zip(parts, ids, positions):

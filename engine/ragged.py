@@ -33,7 +33,8 @@ RAGGED = "selftune_ragged"
 class Part:
     """One part of a ragged step and the cache its keys and values go to."""
 
-    cache: DynamicCache
+    cache: DynamicCache | None
+    """None: padding (see `padded_tokens`), attending over itself and written to no cache."""
     tokens: int
     """Queries this part brings: one per running row (decode), or the prompt chunk's length."""
     decode: bool
@@ -65,7 +66,8 @@ class StepCache:
             start += part.tokens
             if part.decode:  # [1, heads, rows, dim] -> [rows, heads, 1, dim], the running cache's layout
                 k, v = k.permute(2, 1, 0, 3), v.permute(2, 1, 0, 3)
-            k, v = part.cache.update(k, v, layer_idx)
+            if part.cache is not None:
+                k, v = part.cache.update(k, v, layer_idx)
             keys.append(k)
             values.append(v)
         return _PerPart(self.parts, keys), _PerPart(self.parts, values)
@@ -130,10 +132,36 @@ def causal_after(past: int, queries: int, device) -> torch.Tensor | None:
     return torch.ones((queries, past + queries), dtype=torch.bool, device=device).tril(diagonal=past)[None, None]
 
 
+EXACT_TOKENS = 16
+"""Steps of up to this many tokens run at their own size (decode steps of a few rows: most steps)."""
+SIZES_PER_DOUBLING = 8
+
+
+def padded_tokens(tokens: int) -> int:
+    """The size a ragged call of `tokens` tokens runs at: itself up to EXACT_TOKENS, else rounded up
+    to one of SIZES_PER_DOUBLING sizes between two powers of two (at most 1/8 more rows).
+
+    oneDNN compiles a kernel per matmul shape and keeps 1,024 of them (ONEDNN_PRIMITIVE_CACHE_CAPACITY);
+    a model's half-dozen Linear shapes times every row count a step can have (running rows plus
+    a chunk: up to 288 at batch 32, chunk 256) passes that, and each miss compiles again: a bf16
+    step grew slower and slower (docs/BENCHMARKS.md, "oneDNN's primitive cache"). With these sizes
+    a step up to 2,048 tokens has 72 row counts."""
+    if tokens <= EXACT_TOKENS:
+        return tokens
+    step = max(1, (1 << (tokens - 1).bit_length()) // (2 * SIZES_PER_DOUBLING))
+    return -(-tokens // step) * step
+
+
 def forward(model, cache_kwarg: str, ids: torch.Tensor, positions: torch.Tensor, parts: Sequence[Part],
-            keep: torch.Tensor) -> torch.Tensor:
+            keep: torch.Tensor, size: int | None = None) -> torch.Tensor:
     """One call of a model `enable` switched over the flattened parts ([1, tokens] ids and
-    positions); float32 logits of the `keep` token indices, [len(keep), vocab]."""
+    positions), padded to `size` tokens (`padded_tokens`) by a part of its own that no cache keeps
+    and no logits come from; float32 logits of the `keep` token indices, [len(keep), vocab]."""
+    pad = (size or ids.shape[1]) - ids.shape[1]
+    if pad:
+        filler = torch.zeros((1, pad), dtype=ids.dtype, device=ids.device)
+        ids, positions = torch.cat([ids, filler], dim=1), torch.cat([positions, filler], dim=1)
+        parts = [*parts, Part(None, pad, False, None)]
     out = model(
         input_ids=ids,
         attention_mask=_PLACEHOLDER_MASK,

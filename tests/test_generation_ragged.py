@@ -126,3 +126,38 @@ def test_a_prefill_only_step_does_not_copy_the_lm_head_weight(llama):
     copies = [e for e in prof.events() if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0]
               and torch.Size(e.input_shapes[0]).numel() == weight]
     assert not copies, f"the LM head's weight ({weight} values) was copied in a prefill-only step"
+
+
+def test_step_sizes_are_a_bounded_set_of_at_most_an_eighth_more_tokens():
+    sizes = [ragged.padded_tokens(t) for t in range(1, 2049)]
+    assert sizes[:16] == list(range(1, 17))  # decode steps of a few rows run as they are
+    assert all(t <= s <= 1.125 * t for t, s in zip(range(1, 2049), sizes))
+    assert sizes == sorted(sizes) and len(set(sizes)) == 72  # against 2,048 shapes a kernel may be compiled for
+    assert all(ragged.padded_tokens(s) == s for s in set(sizes))
+
+
+def test_a_bf16_runner_steps_at_padded_sizes_with_the_same_tokens(llama):
+    """In half precision on a CPU every step's call has one of padded_tokens' sizes (the padding
+    is a part of its own: no cache keeps it, no logits come from it), and each stream's tokens
+    are those of the same runner stepping at the exact sizes."""
+    import copy
+
+    bf16 = copy.deepcopy(llama).to(torch.bfloat16).requires_grad_(False)
+    sizes = []
+    handle = bf16.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+
+    def run(padded):
+        runner = GenerationRunner(bf16, [EOS], max_running=8, prefill_chunk=25)
+        runner._padded = padded
+        sizes.clear()
+        return drain(runner, _schedule()), list(sizes)
+
+    try:
+        exact, exact_sizes = run(False)
+        padded, padded_sizes = run(True)
+    finally:
+        handle.remove()
+    assert any(ragged.padded_tokens(s) != s for s in exact_sizes), exact_sizes  # the schedule has sizes that pad
+    assert all(ragged.padded_tokens(s) == s for s in padded_sizes)
+    assert {seq: tokens(out) for seq, out in padded.items()} == {seq: tokens(out) for seq, out in exact.items()}
+    assert GenerationRunner(bf16, [EOS])._padded and not GenerationRunner(llama, [EOS])._padded  # fp32 runs as it is
