@@ -148,7 +148,7 @@ def padded_tokens(tokens: int) -> int:
     a step up to 2,048 tokens has 72 row counts."""
     if tokens <= EXACT_TOKENS:
         return tokens
-    step = max(1, (1 << (tokens - 1).bit_length()) // (2 * SIZES_PER_DOUBLING))
+    step = (1 << (tokens - 1).bit_length()) // (2 * SIZES_PER_DOUBLING)  # >= 2: tokens > 16 here
     return -(-tokens // step) * step
 
 
