@@ -13,17 +13,19 @@ makes at most one move, the first of these that applies:
    down to that, by at most decrease_factor a decision; else hold (the rows outgrew the cache
    while running: the preemptions themselves bring it back);
 3. ITL p99 over its objective: a decode step is too slow. With `ttft_first`, while capacity is
-   short (TTFT over, or sequences queued with too few first tokens to judge it) or TTFT has no
-   headroom (p99 > `headroom` × its objective: a smaller chunk would put it over, and the next
+   short (TTFT over, or sequences queued with too few first tokens to judge it, or requests
+   arriving faster than they finish beyond a window's chance: a load rising, which TTFT p99, over
+   the first tokens already made, shows only a window later) or TTFT has no headroom (p99 > `headroom` × its objective: a smaller chunk would put it over, and the next
    window would grow the chunk back), and the mean gap is within the objective, ITL yields:
    TTFT's moves (4.) decide when TTFT is over, else the policy holds. Else, if the prompt tokens
    one step prefills (a mean prompt, the prompt tokens arriving during one step, or those waiting
-   in the workers) pass half of max_batch_tokens, cut it: at least in half, and in proportion
-   (to a quarter at most) when ITL p99 is far over (a step that prefills a whole chunk is the
-   slow one), not below `min_batch_tokens` (a chunk prompts never fill would change nothing).
-   With `ttft_first` the cut has a floor, the larger of: 1.5 × the prompt tokens a worker's step
-   must prefill to keep up with the window's arrivals (a smaller chunk changes the tail, not the
-   mean gap, until prefill falls behind: then the cost moves to TTFT), and, for `retry_seconds`,
+   in the workers) pass half of max_batch_tokens, cut it in proportion to the overshoot: to the
+   chunk whose step would put ITL p99 at 0.8 × its objective (a step that prefills a whole chunk
+   is the slow one), to a quarter at most, not below `min_batch_tokens` (a chunk prompts never
+   fill would change nothing). With `ttft_first` the cut has a floor, the larger of: 2 × the
+   prompt tokens a worker's step must prefill to keep up with the window's arrivals (a smaller
+   chunk changes the tail, not the mean gap, until prefill falls behind: then the cost moves to
+   TTFT; and 2 × is what TTFT's move grows a chunk to when prompts wait), and, for `retry_seconds`,
    a chunk whose cut put TTFT over (TTFT's next move grew it back). At the floor, a mean gap within
    the objective holds; else the moves below apply;
    else, with full batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
@@ -67,6 +69,11 @@ from pydantic import Field
 from engine.config import Bounds, Knobs
 from monitors.observation import Observation
 from policies.base import Decision, Params, clamp_knob, describe_changes
+from policies.gen_load import bet_measure, chunk_size, is_queueing, keep_up_tokens, ms, prefill_per_step, rates, ready_workers, rising
+
+KEEP_UP_MARGIN = 2.0
+"""A chunk this many times what keeps prefill up with the arrivals: what TTFT grows a chunk to when
+prompts wait (the backlog drains too), and, with ttft_first, the least ITL may cut it to."""
 
 
 class GenerateParams(Params):
@@ -101,7 +108,7 @@ class GenerateParams(Params):
     mean_headroom: float = Field(0.8, gt=0, le=1)
     """With ttft_first and sequences queued, grow for TTFT while the mean inter-token gap <= this × the ITL objective."""
     ttft_first: bool = True
-    """When capacity is short (TTFT over, or sequences queue) or TTFT has no headroom, ITL p99 yields
+    """When capacity is short (TTFT over, sequences queue, or arrivals outrun completions) or TTFT has no headroom, ITL p99 yields
     to TTFT while the mean inter-token gap holds: the chunk is not cut, and TTFT's moves may grow it."""
 
 
@@ -139,10 +146,12 @@ class GeneratePolicy:
         ttft = observation.load.latency.get("ttft")
         ttft_p99 = ttft.p99 if ttft is not None and ttft.count >= p.min_requests else None
         tail, tail_name = self._itl_tail(observation)
-        state = f"TTFT p99 {_ms(ttft_p99)} of {_ms(p.ttft_p99_seconds)}, {tail_name} {_ms(tail)} of {_ms(p.itl_p99_seconds)}"
+        state = f"TTFT p99 {ms(ttft_p99)} of {ms(p.ttft_p99_seconds)}, {tail_name} {ms(tail)} of {ms(p.itl_p99_seconds)}"
         ttft_over = ttft_p99 is not None and ttft_p99 > p.ttft_p99_seconds
         # Too few first tokens to judge TTFT (a slow, queued engine makes few): a queue says the same.
-        short = ttft_over or (ttft_p99 is None and _queueing(observation))
+        # Arrivals outrunning completions say it before TTFT does: the first tokens of a burst's late
+        # arrivals are not made yet (live, ITL's cuts at a burst's start put TTFT over a window later).
+        short = ttft_over or (ttft_p99 is None and is_queueing(observation)) or rising(observation)
         move = (
             self._judge_bet(observation, knobs, ttft_over, tail)
             or self._kv_thrash(observation, knobs, bounds)
@@ -157,13 +166,13 @@ class GeneratePolicy:
         if not changes:
             return Decision(knobs, f"{state}; {why}: no change")
         self._changed_at = observation.time
-        cut = _chunk(proposal.max_batch_tokens) < _chunk(knobs.max_batch_tokens)
+        cut = chunk_size(proposal.max_batch_tokens) < chunk_size(knobs.max_batch_tokens)
         self._cut = (knobs.max_batch_tokens, proposal.max_batch_tokens) if cut else None
         if cut and observation.time - self._restored_at <= p.cooldown_seconds + 2 * observation.window_seconds:
             self._no_restore_until = observation.time + p.retry_seconds
         if cut and self._chunk_home is None:
             self._chunk_home = knobs.max_batch_tokens
-        elif self._chunk_home is not None and _chunk(proposal.max_batch_tokens) >= _chunk(self._chunk_home):
+        elif self._chunk_home is not None and chunk_size(proposal.max_batch_tokens) >= chunk_size(self._chunk_home):
             self._chunk_home = None
         return Decision(proposal, f"{state}; {why}: {changes}")
 
@@ -173,7 +182,7 @@ class GeneratePolicy:
         next burst's prefill (the live bursty replay cut 128 -> 83 at a burst's end and met the next
         burst at 83, TTFT p99 4.3 s). A cut that comes straight back after a restore stays for retry_seconds."""
         p, home = self.params, self._chunk_home
-        if home is None or _queueing(observation) or observation.time < self._no_restore_until:
+        if home is None or is_queueing(observation) or observation.time < self._no_restore_until:
             return None
         if tail > p.headroom * p.itl_p99_seconds or (ttft_p99 is not None and ttft_p99 > p.headroom * p.ttft_p99_seconds):
             return None
@@ -191,7 +200,7 @@ class GeneratePolicy:
         return (itl.mean if itl.mean is not None else itl.p99), "mean ITL (too few finished for TPOT p99)"
 
     def _kv_thrash(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str] | None:
-        ready = _ready(observation)
+        ready = ready_workers(observation)
         preempted = sum(w.preemptions for w in ready)
         if not preempted:
             return None
@@ -220,6 +229,8 @@ class GeneratePolicy:
                 return None
             if tight:
                 return knobs, f"ITL over but its mean within the objective, TTFT without headroom (> {p.headroom:g} × its objective): holding"
+            if rising(observation):
+                return knobs, f"ITL over but its mean within the objective, requests arriving faster than they finish ({rates(observation)}): capacity short, holding"
             return knobs, "ITL over but its mean within the objective, sequences queued, too few first tokens to judge TTFT: capacity short, holding"
         chunk = knobs.max_batch_tokens
         half = max(p.min_batch_tokens, chunk // 2) if chunk else 256  # 0 prefilled whole prompts: start chunking
@@ -227,14 +238,16 @@ class GeneratePolicy:
         if p.ttft_first and short:
             # The mean gap is over too, but a smaller chunk would not bring it down (the same prompt
             # tokens are prefilled a second either way); it would only slow the prefill a queue waits on.
-            floor, floor_why = _chunk(chunk), "capacity short: a smaller chunk would slow the prefill the queue waits on, not the mean gap"
+            floor, floor_why = chunk_size(chunk), "capacity short: a smaller chunk would slow the prefill the queue waits on, not the mean gap"
         held = ""
-        if (chunk == 0 or chunk > p.min_batch_tokens) and _prefill_per_step(observation) > half:
-            if _chunk(chunk) > floor:
+        if (chunk == 0 or chunk > p.min_batch_tokens) and prefill_per_step(observation) > half:
+            if chunk_size(chunk) > floor:
                 # ITL p99 is a step that prefilled a whole chunk: scale the chunk to what fits 80 % of the
-                # objective, by at most a quarter at once (a shared CPU's stalls count in that p99 too)
+                # objective, to a quarter at most (a shared CPU's stalls count in that p99 too). Not at
+                # least in half: live, ITL p99s 4-18 % over in bursts cut 128 -> 69-86, and twice the
+                # next window's TTFT went over (2.3 and 3.6 s) as prefill fell behind.
                 fits = int(chunk * 0.8 * p.itl_p99_seconds / itl.p99) if chunk else half
-                smaller = max(p.min_batch_tokens, floor, chunk // 4, min(half, fits))
+                smaller = max(p.min_batch_tokens, floor, chunk // 4, fits)  # fits < 0.8 × chunk: a cut of a fifth at least
                 why = "ITL over with prompts prefilling: smaller prefill chunks" + (f" (down to {floor}: {floor_why})" if smaller == floor else "")
                 return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", smaller)), why
             # A smaller chunk moves the tail, not the mean gap (the same prompt tokens are prefilled
@@ -265,7 +278,7 @@ class GeneratePolicy:
         if moved.threads_per_process == knobs.threads_per_process:
             # More workers on cores that were idle: no bet. Fewer workers with no more threads each: no gain.
             return (moved, why) if kind == "workers" else (knobs, f"{why}: no more threads to give it, holding")
-        measure = _measure(observation, metric, knobs)
+        measure = bet_measure(observation, metric, knobs)
         if moved != knobs and measure is not None:
             self._bet = _LayoutBet(kind, metric, knobs, moved, measure)
         return moved, why
@@ -287,21 +300,21 @@ class GeneratePolicy:
         if bet.settled is None or observation.time < bet.settled + observation.window_seconds:
             return knobs, "a layout move is being judged: holding until a whole window is measured after it"
         self._bet = None
-        gain, now = self.params.min_layout_gain, _measure(observation, bet.metric, knobs)
+        gain, now = self.params.min_layout_gain, bet_measure(observation, bet.metric, knobs)
         if now is None:
             return None
-        served = (not ttft_over and not _queueing(observation)) if bet.metric == "cost" else tail <= self.params.itl_p99_seconds
+        served = (not ttft_over and not is_queueing(observation)) if bet.metric == "cost" else tail <= self.params.itl_p99_seconds
         if now <= (1 - gain) * bet.measure or served:
             return None
         self._no_bet_until[bet.kind] = observation.time + self.params.retry_seconds
         back = knobs.replace(process_count=bet.before.process_count, threads_per_process=bet.before.threads_per_process)
-        shown = (f"ITL p50 {_ms(now)}", _ms(bet.measure)) if bet.metric == "itl" else (f"{now * 1000:.0f} core-ms per token", f"{bet.measure * 1000:.0f}")
+        shown = (f"ITL p50 {ms(now)}", ms(bet.measure)) if bet.metric == "itl" else (f"{now * 1000:.0f} core-ms per token", f"{bet.measure * 1000:.0f}")
         return back, (f"{shown[0]} on {bet.moved.process_count} × {bet.moved.threads_per_process} against {shown[1]} before: "
                       f"more {bet.kind} did not pay (by {gain:.0%}); back, not again for {self.params.retry_seconds:g} s")
 
     def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, tail: float) -> tuple[Knobs, str]:
         p, itl = self.params, observation.load.latency["itl"]
-        queueing = _queueing(observation)
+        queueing = is_queueing(observation)
         room = p.headroom * p.itl_p99_seconds
         # With ttft_first, a queue may spend ITL's tail, and the mean up to mean_headroom, on TTFT:
         # every queued request is late already, while a stream is judged by its mean gap.
@@ -313,10 +326,10 @@ class GeneratePolicy:
                 return self._bet_on_layout(observation, knobs, bounds, "workers", "cost", f"{why}, sequences queue: one more worker")
             return knobs, f"{why}, holding"
         chunk = knobs.max_batch_tokens * 2 if knobs.max_batch_tokens else 0
-        if any(w.waiting_sequences for w in _ready(observation)) and chunk and chunk <= bounds.max_batch_tokens[1]:
+        if any(w.waiting_sequences for w in ready_workers(observation)) and chunk and chunk <= bounds.max_batch_tokens[1]:
             # Prompts wait inside the workers for their prefill: larger chunks read the weights
             # fewer times per prompt token, so the workers prefill more tokens a second.
-            keep_up = 2 * _keep_up(observation) if self.params.ttft_first else 0
+            keep_up = KEEP_UP_MARGIN * keep_up_tokens(observation) if self.params.ttft_first else 0
             if keep_up > chunk:  # at least twice what keeps pace with the arrivals, so the backlog drains too
                 chunk = clamp_knob(bounds, "max_batch_tokens", -(-int(keep_up) // 32) * 32)
             return knobs.replace(max_batch_tokens=chunk), "TTFT over, prompts wait in the workers: larger prefill chunks" + self._floor_at(observation, chunk)
@@ -334,21 +347,22 @@ class GeneratePolicy:
         (or the chunk cut from, if smaller) or more for retry_seconds (with ttft_first). Says so, or ""."""
         if not self.params.ttft_first or self._cut is None:
             return ""
-        floor = grown if _chunk(grown) <= _chunk(self._cut[0]) else self._cut[0]  # TTFT was met at the chunk cut from
+        floor = grown if chunk_size(grown) <= chunk_size(self._cut[0]) else self._cut[0]  # TTFT was met at the chunk cut from
         self._chunk_floor = (floor, observation.time + self.params.retry_seconds)
         return f" (the cut to {self._cut[1]} put TTFT over: no cut under {floor} for {self.params.retry_seconds:g} s)"
 
     def _chunk_floor_now(self, observation: Observation) -> tuple[int, str]:
         """The chunk ITL may not cut under now (0: none), and why: the larger of a cut that put TTFT
-        over (for retry_seconds) and what keeps prefill up with the prompts arriving, with half to spare."""
-        keep_up = int(1.5 * _keep_up(observation))
+        over (for retry_seconds) and twice what keeps prefill up with the prompts arriving: what TTFT's
+        move grows a chunk to when prompts wait, so a cut below it would be grown straight back."""
+        keep_up = int(KEEP_UP_MARGIN * keep_up_tokens(observation))
         remembered = self._chunk_floor[0] if self._chunk_floor is not None and observation.time < self._chunk_floor[1] else 0
         if remembered >= keep_up and remembered:
             return remembered, f"a chunk under it put TTFT over, {self._chunk_floor[1] - observation.time:.0f} s more"
-        return keep_up, f"1.5 × the {keep_up / 1.5:.0f} prompt tokens a worker's step must prefill to keep up" if keep_up else ""
+        return keep_up, f"{KEEP_UP_MARGIN:g} × the {keep_up / KEEP_UP_MARGIN:.0f} prompt tokens a worker's step must prefill to keep up" if keep_up else ""
 
     def _batches_full(self, observation: Observation, knobs: Knobs) -> bool:
-        ready = _ready(observation)
+        ready = ready_workers(observation)
         held = sum(w.load for w in ready) / len(ready) if ready else 0.0
         return held >= self.params.fill_threshold * knobs.max_batch_size
 
@@ -377,56 +391,3 @@ class _LayoutBet:
     settled: float | None = None
     """When the policy was first asked after the move: the controller asks nothing while workers
     start or drain, so the layout stood from then on, and a window later it can be judged."""
-
-
-def _measure(observation: Observation, metric: str, knobs: Knobs) -> float | None:
-    """ITL p50, or the cores busy in the model per output token: the ready workers' busy shares ×
-    their threads over the tokens made. Unlike tokens/s, that cost does not fall with the offered
-    load, which the bench's rate ladder changes every few windows."""
-    if metric == "cost":
-        tokens = observation.load.tokens_per_second
-        busy = sum(w.busy_fraction for w in _ready(observation)) * knobs.threads_per_process
-        return busy / tokens if tokens > 0 and busy > 0 else None
-    itl = observation.load.latency.get("itl")
-    return itl.p50 if itl is not None else None
-
-
-def _prefill_per_step(observation: Observation) -> float:
-    """Prompt tokens a step would prefill, from the window: the largest of a mean prompt, the
-    prompt tokens arriving during one step (about the mean inter-token latency) and the prompts
-    waiting in the workers now; a smaller chunk only changes a step past it."""
-    load = observation.load
-    ttft, itl = load.latency.get("ttft"), load.latency.get("itl")
-    if ttft is None or not ttft.count or load.items_rate <= 0:
-        return 0.0  # no prompt reached a worker in the window
-    prompt = load.input_tokens_per_second / load.items_rate
-    waiting = sum(w.waiting_sequences for w in observation.workers)
-    arriving = load.input_tokens_per_second * (itl.mean or 0.0) if itl is not None else 0.0
-    return max(prompt, arriving, waiting * prompt)
-
-
-def _chunk(tokens: int) -> float:
-    """max_batch_tokens as a size: 0 prefills whole prompts, the largest chunk there is."""
-    return tokens or float("inf")
-
-
-def _keep_up(observation: Observation) -> float:
-    """Prompt tokens one worker's step must prefill for prefill to keep pace with the window's
-    arrivals: each ready worker's share of the prompt tokens a second, over its steps a second."""
-    itl, ready = observation.load.latency.get("itl"), _ready(observation)
-    if itl is None or itl.mean is None or not ready:
-        return 0.0
-    return observation.load.input_tokens_per_second / len(ready) * itl.mean
-
-
-def _queueing(observation: Observation) -> bool:
-    """Sequences wait for a place: in the front's queue or inside a worker."""
-    return observation.load.queue_depth > 0 or any(w.waiting_sequences for w in observation.workers)
-
-
-def _ready(observation: Observation):
-    return [w for w in observation.workers if w.state == "ready"]
-
-
-def _ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"

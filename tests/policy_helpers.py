@@ -92,10 +92,13 @@ def gen_obs(
     kv_total: int = 10_000,
     workers: int = 2,
     prompt: float = 400.0,
+    arrivals: float = 2.0,
+    completions: float = 2.0,
 ) -> Observation:
     """A generation Observation: TTFT and ITL p99s over `first_tokens` and `tokens` samples, each
     of `workers` ready workers holding `held` sequences (`running` of them in its batch); two
-    requests a second of `prompt` tokens each. The mean inter-token gap is half the p99 unless given."""
+    requests a second of `prompt` tokens each (`arrivals` and `completions` a second counted as
+    arriving and finishing). The mean inter-token gap is half the p99 unless given."""
     latency = {}
     if ttft is not None:
         latency["ttft"] = Latency(p50=ttft / 2, p95=ttft * 0.9, p99=ttft, mean=ttft / 2, count=first_tokens)
@@ -106,7 +109,7 @@ def gen_obs(
     return Observation(
         time=t,
         window_seconds=10.0,
-        load=Load(arrival_rate=2.0, completion_rate=2.0, items_rate=2.0, input_tokens_per_second=2.0 * prompt, queue_depth=queue_depth,
+        load=Load(arrival_rate=arrivals, completion_rate=completions, items_rate=2.0, input_tokens_per_second=2.0 * prompt, queue_depth=queue_depth,
                   latency=latency, tokens_per_second=tokens / 10),
         workers=tuple(WorkerObservation(i, 1000 + i, "ready", 0.9, held, **worker) for i in range(workers)),
     )

@@ -45,11 +45,14 @@ def test_preemptions_double_a_binding_kv_cap_and_shrink_the_batch_at_the_ceiling
     assert narrow.knobs == START
 
 
-def test_itl_over_while_prompts_prefill_halves_the_chunk_down_to_its_floor():
-    decision = decide(gen_obs(0, itl=0.4))
-    assert decision.knobs.max_batch_tokens == 128 and "max_batch_tokens 256 -> 128" in decision.reason
-    far_over = decide(gen_obs(0, itl=0.8), ttft_first=False)  # a 256-token chunk makes 800-ms steps: 64 fit 80 % of 250 ms
-    assert far_over.knobs.max_batch_tokens == 64
+def test_itl_over_while_prompts_prefill_cuts_the_chunk_in_proportion_down_to_its_floor():
+    """ITL p99 is a step that prefilled a whole chunk: the chunk scales to what would put that step at
+    80 % of the objective (256 × 0.8 × 250 ms / p99), a quarter of it at most, min_batch_tokens at least."""
+    slightly = decide(gen_obs(0, itl=0.3), ttft_first=False)  # not in half for a 20 % overshoot
+    assert slightly.knobs.max_batch_tokens == 170 and "max_batch_tokens 256 -> 170" in slightly.reason
+    assert decide(gen_obs(0, itl=0.4), ttft_first=False).knobs.max_batch_tokens == 128
+    assert decide(gen_obs(0, itl=0.8), ttft_first=False).knobs.max_batch_tokens == 64
+    assert decide(gen_obs(0, itl=2.0), ttft_first=False).knobs.max_batch_tokens == 64  # 25 would fit: a quarter at most
     floor = decide(gen_obs(0, itl=0.4), START.replace(max_batch_tokens=40), ttft_first=False)
     assert floor.knobs.max_batch_tokens == 32
     whole = decide(gen_obs(0, itl=0.4), START.replace(max_batch_tokens=0))  # whole prompts: start chunking
@@ -57,16 +60,17 @@ def test_itl_over_while_prompts_prefill_halves_the_chunk_down_to_its_floor():
 
 
 def test_with_ttft_first_the_chunk_is_not_cut_below_what_keeps_prefill_up_with_the_prompts():
-    """Each of two workers gets 400 prompt tokens a second and steps every 400 ms on average (the
-    mean gap, whatever the chunk while prefill keeps up): 160 tokens a step. A smaller chunk than
-    that moves the cost to TTFT without changing the mean gap, so the cut stops at 1.5 × 160; at
-    or under that, the chunk holds and the other ITL moves apply (here the layout bet)."""
-    far_over = decide(gen_obs(0, itl=0.8))
-    assert far_over.knobs.max_batch_tokens == 240
-    assert "down to 240: 1.5 × the 160 prompt tokens a worker's step must prefill to keep up" in far_over.reason
-    at_it = decide(gen_obs(0, itl=0.8), START.replace(max_batch_tokens=240))
-    assert at_it.knobs.max_batch_tokens == 240 and (at_it.knobs.process_count, at_it.knobs.threads_per_process) == (1, 2)
-    assert "the chunk held at 240" in at_it.reason and "more threads per step" in at_it.reason
+    """Each of two workers gets 200 prompt tokens a second and steps every 400 ms on average (the
+    mean gap, whatever the chunk while prefill keeps up): 80 tokens a step. A smaller chunk than
+    that moves the cost to TTFT without changing the mean gap, so the cut stops at 2 × 80, what
+    TTFT's move grows a chunk to when prompts wait; at or under that, the chunk holds and the other
+    ITL moves apply (here the layout bet)."""
+    far_over = decide(gen_obs(0, itl=0.8, prompt=200))  # 64 alone
+    assert far_over.knobs.max_batch_tokens == 160
+    assert "down to 160: 2 × the 80 prompt tokens a worker's step must prefill to keep up" in far_over.reason
+    at_it = decide(gen_obs(0, itl=0.8, prompt=200), START.replace(max_batch_tokens=160))
+    assert at_it.knobs.max_batch_tokens == 160 and (at_it.knobs.process_count, at_it.knobs.threads_per_process) == (1, 2)
+    assert "the chunk held at 160" in at_it.reason and "more threads per step" in at_it.reason
     # TTFT over with prompts waiting: the chunk grows to twice what keeps up (in 32s), not only × 2
     grown = decide(gen_obs(0, ttft=3.0, itl=0.1, itl_mean=0.1, waiting=2, prompt=2000), START.replace(max_batch_tokens=64))
     assert grown.knobs.max_batch_tokens == 416 and "prompts wait in the workers" in grown.reason  # 2 × 2000 / 2 × 0.1 = 400
@@ -131,6 +135,19 @@ def test_with_a_queue_the_itl_tail_yields_to_ttft_while_the_mean_gap_holds():
     assert unjudged.knobs == START and "capacity short" in unjudged.reason
 
 
+def test_while_requests_arrive_faster_than_they_finish_the_itl_tail_does_not_cut_the_chunk():
+    """Live bursts' first windows: 28-29 arrived, 1 finished, TTFT p99 met (late arrivals not served yet), ITL p99
+    over; cutting put the next TTFT at 2.3-8.8 s. Arrivals outrunning completions hold ITL's tail; steady or draining, it cuts."""
+    burst, at = dict(ttft=0.9, itl=0.62, itl_mean=0.2, arrivals=2.8, completions=0.1, prompt=100), START.replace(max_batch_tokens=128)
+    rising = decide(gen_obs(0, **burst), at)
+    assert rising.knobs == at and "requests arriving faster than they finish (2.80 against 0.10 a second): capacity short, holding" in rising.reason
+    slow = decide(gen_obs(0, **{**burst, "itl_mean": 0.3}, held=16), at)  # the mean gap over too: still no cut
+    assert slow.knobs == at and "capacity short" in slow.reason
+    for arrivals, completions in ((2.0, 2.0), (2.0, 1.4), (0.6, 4.4)):  # steady (within chance), draining
+        cut = decide(gen_obs(0, **{**burst, "arrivals": arrivals, "completions": completions}), at)
+        assert cut.knobs.max_batch_tokens < 128 and "smaller prefill chunks" in cut.reason
+
+
 def test_a_chunk_cut_that_put_ttft_back_over_is_not_made_again_while_the_mean_gap_holds():
     """The live steady replay's cycle (recorded decisions, 2026-12-05): ITL p99 over with TTFT met
     cut the chunk 128 -> 64, TTFT went over, the chunk grew back, and round again eight times in 240 s.
@@ -140,9 +157,9 @@ def test_a_chunk_cut_that_put_ttft_back_over_is_not_made_again_while_the_mean_ga
     def run(ttft_first=True, mean=0.12):
         policy = GeneratePolicy(GenerateParams(ttft_first=ttft_first, retry_seconds=300))
         knobs, log = START.replace(max_batch_tokens=128), []
-        for t, obs in ((0, gen_obs(0, ttft=1.08, itl=0.28, itl_mean=mean, prompt=200)),   # TTFT met with headroom: ITL cuts
+        for t, obs in ((0, gen_obs(0, ttft=1.08, itl=0.4, itl_mean=mean, prompt=200)),    # TTFT met with headroom: ITL cuts
                        (15, gen_obs(15, ttft=3.3, itl=0.15, waiting=2, prompt=200)),     # the cut put TTFT over: grow back
-                       (30, gen_obs(30, ttft=0.7, itl=0.32, itl_mean=mean, prompt=200))):  # ITL's tail over again
+                       (30, gen_obs(30, ttft=0.7, itl=0.4, itl_mean=mean, prompt=200))):   # ITL's tail over again
             decision = policy.decide(obs, knobs, TWO_CORES)
             knobs = decision.knobs
             log.append((knobs.max_batch_tokens, decision.reason))
@@ -154,11 +171,11 @@ def test_a_chunk_cut_that_put_ttft_back_over_is_not_made_again_while_the_mean_ga
     # a larger chunk is cut no further than the floor; after retry_seconds the floor is gone
     far = policy.decide(gen_obs(45, ttft=0.7, itl=0.8, itl_mean=0.12, prompt=200), knobs.replace(max_batch_tokens=256), TWO_CORES)  # 64 alone
     assert far.knobs.max_batch_tokens == 128
-    assert policy.decide(gen_obs(400, ttft=0.7, itl=0.32, itl_mean=0.12, prompt=200), knobs, TWO_CORES).knobs.max_batch_tokens == 64
-    # the pace itself lost (mean 270 ms): the cut stops at what keeps prefill up (1.5 × 200 × 0.27 = 81), the
-    # growth back goes past the chunk cut from (162), and the next cut stops at that chunk, where TTFT was met
+    assert policy.decide(gen_obs(400, ttft=0.7, itl=0.4, itl_mean=0.12, prompt=200), knobs, TWO_CORES).knobs.max_batch_tokens == 64
+    # the pace itself lost (mean 270 ms): the cut stops at twice what keeps prefill up (2 × 200 × 0.27 = 108),
+    # the growth back goes past the chunk cut from (216), and the next cut stops at that chunk, where TTFT was met
     slow = run(mean=0.27)[2]
-    assert [chunk for chunk, _ in slow] == [81, 162, 128] and "(down to 128: a chunk under it put TTFT over, 285 s more)" in slow[2][1]
+    assert [chunk for chunk, _ in slow] == [108, 216, 128] and "(down to 128: a chunk under it put TTFT over, 285 s more)" in slow[2][1]
     off = run(ttft_first=False)[2]
     assert [chunk for chunk, _ in off] == [64, 128, 64] and "no cut under" not in off[1][1]
 
@@ -171,7 +188,7 @@ def test_a_chunk_cut_for_a_burst_goes_back_once_the_load_has_gone_unless_the_cut
     restore for retry_seconds."""
     policy = GeneratePolicy(GenerateParams(retry_seconds=300))
     knobs = START.replace(max_batch_tokens=128)
-    steps = [(0, gen_obs(0, ttft=1.08, itl=0.35, itl_mean=0.11, prompt=100)),  # the burst's end: ITL cuts
+    steps = [(0, gen_obs(0, ttft=1.08, itl=0.4, itl_mean=0.11, prompt=100)),   # the burst's end: ITL cuts
              (15, gen_obs(15, ttft=0.6, itl=0.2, itl_mean=0.1)),                 # ITL without headroom (> 175 ms): hold
              (30, gen_obs(30, ttft=0.4, itl=0.15, queue_depth=2)),               # sequences queue: hold
              (45, gen_obs(45, ttft=0.4, itl=0.15)),                              # quiet: back to 128
@@ -185,7 +202,7 @@ def test_a_chunk_cut_for_a_burst_goes_back_once_the_load_has_gone_unless_the_cut
     assert chunks == [64, 64, 64, 128, 128]
     assert "nothing queued: the chunk ITL cut goes back to 128" in reasons[3]
     # cut again within two windows of the restore: the load needs it, and the chunk stays down
-    cut = policy.decide(gen_obs(70, ttft=1.0, itl=0.35, itl_mean=0.11, prompt=100), knobs, TWO_CORES).knobs
+    cut = policy.decide(gen_obs(70, ttft=1.0, itl=0.4, itl_mean=0.11, prompt=100), knobs, TWO_CORES).knobs
     assert cut.max_batch_tokens == 64
     assert policy.decide(gen_obs(100, ttft=0.4, itl=0.15), cut, TWO_CORES).knobs == cut
     assert policy.decide(gen_obs(400, ttft=0.4, itl=0.15), cut, TWO_CORES).knobs.max_batch_tokens == 128  # retry_seconds later
@@ -209,10 +226,10 @@ def test_over_requests_the_itl_objective_judges_each_requests_mean_gap():
 
 def test_a_change_is_followed_by_a_cooldown():
     policy = GeneratePolicy(GenerateParams(cooldown_seconds=10))
-    first = policy.decide(gen_obs(0, itl=0.4), START, TWO_CORES)
+    first = policy.decide(gen_obs(0, itl=0.4, prompt=200), START, TWO_CORES)
     assert first.knobs != START
-    assert policy.decide(gen_obs(5, itl=0.4), first.knobs, TWO_CORES).knobs == first.knobs
-    assert policy.decide(gen_obs(11, itl=0.4), first.knobs, TWO_CORES).knobs != first.knobs
+    assert policy.decide(gen_obs(5, itl=0.4, prompt=200), first.knobs, TWO_CORES).knobs == first.knobs
+    assert policy.decide(gen_obs(11, itl=0.4, prompt=200), first.knobs, TWO_CORES).knobs != first.knobs
 
 
 def test_a_queueing_load_settles_on_the_largest_batch_whose_itl_meets_the_objective():

@@ -1,0 +1,76 @@
+"""What one window's generation observation says about the load, for the generate policy: pure
+readings of an Observation (no state, no clock)."""
+
+from __future__ import annotations
+
+import math
+
+from engine.config import Knobs
+from monitors.observation import Observation
+
+
+def bet_measure(observation: Observation, metric: str, knobs: Knobs) -> float | None:
+    """ITL p50, or the cores busy in the model per output token: the ready workers' busy shares ×
+    their threads over the tokens made. Unlike tokens/s, that cost does not fall with the offered
+    load, which the bench's rate ladder changes every few windows."""
+    if metric == "cost":
+        tokens = observation.load.tokens_per_second
+        busy = sum(w.busy_fraction for w in ready_workers(observation)) * knobs.threads_per_process
+        return busy / tokens if tokens > 0 and busy > 0 else None
+    itl = observation.load.latency.get("itl")
+    return itl.p50 if itl is not None else None
+
+
+def prefill_per_step(observation: Observation) -> float:
+    """Prompt tokens a step would prefill, from the window: the largest of a mean prompt, the
+    prompt tokens arriving during one step (about the mean inter-token latency) and the prompts
+    waiting in the workers now; a smaller chunk only changes a step past it."""
+    load = observation.load
+    ttft, itl = load.latency.get("ttft"), load.latency.get("itl")
+    if ttft is None or not ttft.count or load.items_rate <= 0:
+        return 0.0  # no prompt reached a worker in the window
+    prompt = load.input_tokens_per_second / load.items_rate
+    waiting = sum(w.waiting_sequences for w in observation.workers)
+    arriving = load.input_tokens_per_second * (itl.mean or 0.0) if itl is not None else 0.0
+    return max(prompt, arriving, waiting * prompt)
+
+
+def chunk_size(tokens: int) -> float:
+    """max_batch_tokens as a size: 0 prefills whole prompts, the largest chunk there is."""
+    return tokens or float("inf")
+
+
+def keep_up_tokens(observation: Observation) -> float:
+    """Prompt tokens one worker's step must prefill for prefill to keep pace with the window's
+    arrivals: each ready worker's share of the prompt tokens a second, over its steps a second."""
+    itl, ready = observation.load.latency.get("itl"), ready_workers(observation)
+    if itl is None or itl.mean is None or not ready:
+        return 0.0
+    return observation.load.input_tokens_per_second / len(ready) * itl.mean
+
+
+def rising(observation: Observation) -> bool:
+    """Requests arrive faster than they finish by more than chance: the window's arrivals minus its
+    completions exceed twice the Poisson spread of that difference (the root of their sum). A
+    steady load stays under it; a burst's first windows (3.5 arrivals a second against 0.1 to 1.2
+    completions, live) pass it."""
+    load, seconds = observation.load, observation.window_seconds
+    arrived, finished = load.arrival_rate * seconds, load.completion_rate * seconds
+    return arrived - finished > 2 * math.sqrt(arrived + finished)
+
+
+def rates(observation: Observation) -> str:
+    return f"{observation.load.arrival_rate:.2f} against {observation.load.completion_rate:.2f} a second"
+
+
+def is_queueing(observation: Observation) -> bool:
+    """Sequences wait for a place: in the front's queue or inside a worker."""
+    return observation.load.queue_depth > 0 or any(w.waiting_sequences for w in observation.workers)
+
+
+def ready_workers(observation: Observation):
+    return [w for w in observation.workers if w.state == "ready"]
+
+
+def ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
