@@ -52,8 +52,8 @@ def keep_up_tokens(observation: Observation) -> float:
 def rising(observation: Observation) -> bool:
     """Requests arrive faster than they finish by more than chance: the window's arrivals minus its
     completions exceed twice the Poisson spread of that difference (the root of their sum). A
-    steady load stays under it; a burst's first windows (3.5 arrivals a second against 0.1 to 1.2
-    completions, live) pass it."""
+    steady load passes it by chance about one window in 40; a burst's first seconds (2.8-4.2
+    arrivals a second against 0.1-1.3 completions, live) pass it."""
     load, seconds = observation.load, observation.window_seconds
     arrived, finished = load.arrival_rate * seconds, load.completion_rate * seconds
     return arrived - finished > 2 * math.sqrt(arrived + finished)

@@ -15,8 +15,9 @@ makes at most one move, the first of these that applies:
 3. ITL p99 over its objective: a decode step is too slow. With `ttft_first`, while capacity is
    short (TTFT over, or sequences queued with too few first tokens to judge it, or requests
    arriving faster than they finish beyond a window's chance: a load rising, which TTFT p99, over
-   the first tokens already made, shows only a window later) or TTFT has no headroom (p99 > `headroom` × its objective: a smaller chunk would put it over, and the next
-   window would grow the chunk back), and the mean gap is within the objective, ITL yields:
+   the first tokens already made, shows only a window later) or TTFT has no headroom (p99 >
+   `headroom` × its objective: a smaller chunk would put it over, and the next window would
+   grow the chunk back), and the mean gap is within the objective, ITL yields:
    TTFT's moves (4.) decide when TTFT is over, else the policy holds. Else, if the prompt tokens
    one step prefills (a mean prompt, the prompt tokens arriving during one step, or those waiting
    in the workers) pass half of max_batch_tokens, cut it in proportion to the overshoot: to the
