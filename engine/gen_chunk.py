@@ -5,8 +5,8 @@ How many prompt tokens fit beside the running rows in one step depends on the CP
 one machine is wrong on the next. The probe (run in the zygote's probe child, on one thread, as
 a worker with threads_per_process 1 runs) times the engine's own GenerationRunner: a decode step
 of PROBE_ROWS rows, then the steps that prefill a PROBE_PROMPT-token prompt PROBE_CHUNK tokens at
-a time beside them. `decide_batch_tokens` is pure: the largest power of two whose step, by the
-two timings' line, stays within STEP_BUDGET_MS.
+a time beside them. `decide_batch_tokens` is pure: the largest multiple of CHUNK_STEP whose step,
+by the two timings' line, stays within STEP_BUDGET_MS.
 """
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ STEP_BUDGET_MS = 150.0
 """A chunk's step may take this long: 0.6 of the default 250-ms ITL objective, since the rows
 of a loaded worker add to the step and a prefill step is a whole gap of every running row."""
 CHUNK_RANGE = (16, 1024)
-"""The per-thread chunk auto picks lies within this range (powers of two)."""
+"""The per-thread chunk auto picks lies within this range."""
+CHUNK_STEP = 16
+"""Auto picks a multiple of this. A finer grid than powers of two: where a 128-token step sits near
+the budget, a probe a few per cent slower picked 64 and a faster one 128, and a static server
+kept whichever it drew."""
 
 
 def time_chunk_steps(model, rows: int = PROBE_ROWS, prompt: int = PROBE_PROMPT, chunk: int = PROBE_CHUNK, decode_steps: int = 5) -> dict:
@@ -80,8 +84,8 @@ def probe_batch_tokens(model, rounds: int = 2) -> dict:
 
 
 def decide_batch_tokens(probe: dict | None, fallback: int, error: str | None = None) -> dict:
-    """Prompt tokens per step per worker thread, from the probe (pure): the largest power of two
-    in CHUNK_RANGE whose step, on the line through the decode step and the chunk step, stays
+    """Prompt tokens per step per worker thread, from the probe (pure): the largest multiple of
+    CHUNK_STEP in CHUNK_RANGE whose step, on the line through the decode step and the chunk step, stays
     within STEP_BUDGET_MS; `fallback` (the constant) without a usable probe."""
     choice: dict = {"budget_ms": STEP_BUDGET_MS}
     if error is not None:
@@ -91,9 +95,8 @@ def decide_batch_tokens(probe: dict | None, fallback: int, error: str | None = N
     decode, step, chunk = probe["decode_ms"], probe["chunk_step_ms"], probe["chunk"]
     per_token = max(step - decode, 0.0) / chunk
     choice.update(decode_ms=decode, chunk_step_ms=step, probe_chunk=chunk, ms_per_prompt_token=round(per_token, 4), probe_seconds=probe.get("seconds"))
-    tokens = CHUNK_RANGE[0]
-    while tokens * 2 <= CHUNK_RANGE[1] and decode + 2 * tokens * per_token <= STEP_BUDGET_MS:
-        tokens *= 2
+    fits = (STEP_BUDGET_MS - decode) / per_token if per_token > 0 else CHUNK_RANGE[1]
+    tokens = int(max(min(fits, CHUNK_RANGE[1]) // CHUNK_STEP * CHUNK_STEP, CHUNK_RANGE[0]))
     return {**choice, "per_thread": tokens,
             "reason": (f"a decode step of {probe['rows']} rows {decode:.0f} ms, {per_token:.2f} ms a prompt token: "
                        f"{tokens} tokens a step keep it within {STEP_BUDGET_MS:.0f} ms")}
