@@ -24,19 +24,17 @@ def test_auto_chunk_is_the_largest_multiple_of_the_step_whose_step_fits_the_budg
     assert "160 tokens a step" in bf16["reason"] and bf16["budget_ms"] == STEP_BUDGET_MS
     assert decide_batch_tokens(XEON_FP32, fallback=32)["per_thread"] == 32  # 90 + 48 = 138 ms; 48 would be 162
     assert all(decide_batch_tokens({**XEON_BF16, "chunk_step_ms": ms}, 32)["per_thread"] % CHUNK_STEP == 0 for ms in range(57, 400, 7))
+    # a step that barely costs more per token is capped; one whose decode alone is over the budget gets the least
+    assert decide_batch_tokens({**XEON_BF16, "chunk_step_ms": 57.0}, fallback=32)["per_thread"] == CHUNK_RANGE[1]
+    assert decide_batch_tokens({**XEON_BF16, "decode_ms": 400.0, "chunk_step_ms": 900.0}, fallback=32)["per_thread"] == CHUNK_RANGE[0]
+    # a chunk step measured faster than the decode step (noise) is no prompt cost, not a negative one
+    assert decide_batch_tokens({**XEON_BF16, "chunk_step_ms": 50.0}, fallback=32)["ms_per_prompt_token"] == 0.0
 
 
 def test_a_probe_a_few_per_cent_slower_moves_auto_chunk_a_little_not_by_half():
     # a 128-token chunk step at 148 ms and at 156 ms (5 % apart, this VM's drift within a minute)
     near = [decide_batch_tokens({**XEON_BF16, "chunk_step_ms": ms}, 32)["per_thread"] for ms in (148.0, 156.0)]
     assert near == [128, 112]  # powers of two picked 128 and 64
-
-
-    # a step that barely costs more per token is capped; one whose decode alone is over the budget gets the least
-    assert decide_batch_tokens({**XEON_BF16, "chunk_step_ms": 57.0}, fallback=32)["per_thread"] == CHUNK_RANGE[1]
-    assert decide_batch_tokens({**XEON_BF16, "decode_ms": 400.0, "chunk_step_ms": 900.0}, fallback=32)["per_thread"] == CHUNK_RANGE[0]
-    # a chunk step measured faster than the decode step (noise) is no prompt cost, not a negative one
-    assert decide_batch_tokens({**XEON_BF16, "chunk_step_ms": 50.0}, fallback=32)["ms_per_prompt_token"] == 0.0
 
 
 def test_without_a_probe_auto_keeps_the_constant_and_says_why():
