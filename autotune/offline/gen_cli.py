@@ -51,7 +51,8 @@ def gen_sim_config(args, knobs: Knobs | None = None, **extra):
         cores=args.cores or len(os.sched_getaffinity(0)),
         ttft_seconds=args.ttft, itl_seconds=args.itl, startup_seconds=args.startup_seconds,
         max_queued_requests=args.max_queued_requests, control_interval=args.interval, cooldown_seconds=args.cooldown,
-        **extra,
+        speed_noise=getattr(args, "speed_noise", 0.0), speed_noise_seconds=getattr(args, "speed_noise_seconds", 10.0),
+        step_noise=getattr(args, "step_noise", 0.0), noise_seed=getattr(args, "noise_seed", 0), **extra,
     )
 
 

@@ -40,6 +40,14 @@ class GenSimConfig(LoopConfig):
     itl_seconds: float = 0.25
     kv_cache_mib: int = 1024
     """model.kv_cache_mib: with the cost model's bytes per token, each worker's KV ceiling."""
+    speed_noise: float = 0.0
+    """A shared VM's speed wanders: every step's time × exp(x), x a stationary Gauss-Markov process
+    (its mean factor 1) of this standard deviation, shared by the workers (one machine); 0: none."""
+    speed_noise_seconds: float = 10.0
+    """The wandering's correlation time: spread over seconds, it gives requests different paces."""
+    step_noise: float = 0.0
+    """Each step's own lognormal jitter (standard deviation of its log, mean factor 1); 0: none."""
+    noise_seed: int = 0
 
 
 class _Seq:
@@ -246,6 +254,7 @@ class GenSimulation(SimLoop):
         self._busy = 0
         self._gone_preemptions = 0
         """Preemptions of the workers already stopped."""
+        self._speed = SpeedNoise(config.speed_noise, config.speed_noise_seconds, config.step_noise, config.noise_seed)
 
     @property
     def kv_tokens(self) -> int | None:
@@ -291,6 +300,7 @@ class GenSimulation(SimLoop):
         worker.stepping = True
         self._busy += 1
         seconds = self.cost.step_seconds(step.prefill_tokens, step.rows, step.columns, k.threads_per_process, self._busy, self.config.cores)
+        seconds *= self._speed.factor(now)
         self._push(now + seconds, STEP, (worker.worker_id, step, seconds))
 
     def _on_step_done(self, worker_id: int, step: _Step, seconds: float, now: float) -> None:
@@ -326,6 +336,28 @@ class GenSimulation(SimLoop):
                 recent["total"].append((now, now - self.arrival[r]))
                 if seq.max_tokens > 1:
                     recent["tpot"].append((now, (now - self.first[r]) / (seq.max_tokens - 1)))
+
+
+class SpeedNoise:
+    """The step-time factor of a machine whose speed wanders (GenSimConfig.speed_noise, step_noise).
+    The log factor is an Ornstein-Uhlenbeck process sampled exactly at each step's start, plus a
+    step's own jitter; both centred so the factor's mean is 1. Seeded: a run repeats."""
+
+    def __init__(self, sigma: float, seconds: float, step_sigma: float, seed: int):
+        self.sigma, self.seconds, self.step_sigma = sigma, max(seconds, 1e-9), step_sigma
+        self.rng = np.random.default_rng(seed)
+        self.x = self.rng.normal(0.0, sigma) if sigma > 0 else 0.0
+        self.at = 0.0
+
+    def factor(self, now: float) -> float:
+        if self.sigma <= 0 and self.step_sigma <= 0:
+            return 1.0
+        if self.sigma > 0:
+            keep = math.exp(-max(now - self.at, 0.0) / self.seconds)
+            self.x = self.x * keep + self.sigma * math.sqrt(1.0 - keep * keep) * self.rng.normal()
+            self.at = now
+        jitter = self.rng.normal(0.0, self.step_sigma) if self.step_sigma > 0 else 0.0
+        return math.exp(self.x + jitter - (self.sigma ** 2 + self.step_sigma ** 2) / 2)
 
 
 def simulate_generation(arrivals, cost_model: GenCostModel, config: GenSimConfig = GenSimConfig(), policy=None) -> GenSimResult:
