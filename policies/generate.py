@@ -51,9 +51,11 @@ makes at most one move, the first of these that applies:
    and say so. One more worker that takes threads from the others is a bet too (fewer threads
    per step may cost ITL, or nothing where steps do not speed up with threads): kept if the
    cores busy per output token fell by `min_layout_gain` or nothing queues any more, else undone;
-5. both met with headroom (p99s <= `headroom` × their objectives), nothing queued, and ITL cut the
-   chunk: back to the chunk its first cut came from (a cut made for one burst must not meet the
-   next); a cut that comes straight back keeps the chunk down for `retry_seconds`;
+5. both met with headroom (p99s <= `headroom` × their objectives), nothing queued or rising, and ITL
+   cut the chunk: back to the chunk its first cut came from, but no larger than the chunk in force
+   in the last such calm window before the cut (the chunk the burst began with: a cut made for one
+   burst must not meet the next, nor a chunk TTFT doubled for it); a cut that comes straight back
+   keeps the chunk down for `retry_seconds`;
 6. otherwise hold (both met).
 
 The threads a layout spreads over are the bounds' most threads per worker (the controller sets
@@ -131,6 +133,9 @@ class GeneratePolicy:
         """(chunk, until): a cut below this chunk put TTFT back over; with ttft_first, ITL does not cut under it till then."""
         self._chunk_home: int | None = None
         """The chunk ITL's first cut (of a run of cuts) came from, until the chunk is back at it."""
+        self._calm_chunk: int | None = None
+        """The chunk in force in the last calm window (both met with headroom, nothing queued or
+        rising) with no cut outstanding: the chunk a burst began with."""
         self._restored_at = float("-inf")
         self._no_restore_until = float("-inf")
         """A cut that came right after a restore: the load needs it, no restore till then."""
@@ -153,13 +158,16 @@ class GeneratePolicy:
         # Arrivals outrunning completions say it before TTFT does: the first tokens of a burst's late
         # arrivals are not made yet (live, ITL's cuts at a burst's start put TTFT over a window later).
         short = ttft_over or (ttft_p99 is None and is_queueing(observation)) or rising(observation)
+        calm = self._calm(observation, tail, ttft_p99)
         move = (
             self._judge_bet(observation, knobs, ttft_over, tail)
             or self._kv_thrash(observation, knobs, bounds)
             or (self._itl_over(observation, knobs, bounds, short, ttft_p99) if tail > p.itl_p99_seconds else None)
             or (self._ttft_over(observation, knobs, bounds, tail) if ttft_over else None)
-            or self._restore_chunk(observation, knobs, bounds, tail, ttft_p99)
+            or (self._restore_chunk(observation, knobs, bounds) if calm else None)
         )
+        if calm and self._chunk_home is None:
+            self._calm_chunk = (move[0] if move is not None else knobs).max_batch_tokens
         if move is None:
             return Decision(knobs, f"{state}: holding")
         proposal, why = move
@@ -177,18 +185,30 @@ class GeneratePolicy:
             self._chunk_home = None
         return Decision(proposal, f"{state}; {why}: {changes}")
 
-    def _restore_chunk(self, observation: Observation, knobs: Knobs, bounds: Bounds, tail: float, ttft_p99: float | None) -> tuple[Knobs, str] | None:
-        """Both objectives met with headroom, nothing queued, and ITL had cut the chunk: back to the
-        chunk it was cut from. A cut made for a burst's load would otherwise outlive it and slow the
-        next burst's prefill (the live bursty replay cut 128 -> 83 at a burst's end and met the next
-        burst at 83, TTFT p99 4.3 s). A cut that comes straight back after a restore stays for retry_seconds."""
-        p, home = self.params, self._chunk_home
-        if home is None or is_queueing(observation) or observation.time < self._no_restore_until:
+    def _calm(self, observation: Observation, tail: float, ttft_p99: float | None) -> bool:
+        """Both objectives met with headroom, nothing queued, requests not arriving faster than they finish."""
+        p = self.params
+        if is_queueing(observation) or rising(observation) or tail > p.headroom * p.itl_p99_seconds:
+            return False
+        return ttft_p99 is None or ttft_p99 <= p.headroom * p.ttft_p99_seconds
+
+    def _restore_chunk(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> tuple[Knobs, str] | None:
+        """A calm window after ITL cut the chunk: back to the chunk it was cut from, but no larger
+        than the chunk the burst began with. A cut made for a burst's load would otherwise outlive it
+        and slow the next burst's prefill (the live bursty replay cut 128 -> 83 at a burst's end and
+        met the next burst at 83, TTFT p99 4.3 s); a chunk TTFT doubled during the burst would meet
+        the next one whole (live: 112 -> 224 in a burst, cut, and restored to 224 after it). A cut
+        that comes straight back after a restore stays for retry_seconds."""
+        home = self._chunk_home
+        if home is None or observation.time < self._no_restore_until:
             return None
-        if tail > p.headroom * p.itl_p99_seconds or (ttft_p99 is not None and ttft_p99 > p.headroom * p.ttft_p99_seconds):
+        if self._calm_chunk is not None and chunk_size(self._calm_chunk) < chunk_size(home):
+            home = self._calm_chunk
+        if chunk_size(home) <= chunk_size(knobs.max_batch_tokens):
+            self._chunk_home = None  # the chunk is at or above where the burst began: nothing to restore
             return None
-        self._restored_at = observation.time
-        return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", home)), f"both objectives met with headroom (× {p.headroom:g}), nothing queued: the chunk ITL cut goes back to {home}"
+        self._restored_at, self._chunk_home = observation.time, None
+        return knobs.replace(max_batch_tokens=clamp_knob(bounds, "max_batch_tokens", home)), f"both objectives met with headroom (× {self.params.headroom:g}), nothing queued: the chunk ITL cut goes back to {home}"
 
     def _itl_tail(self, observation: Observation) -> tuple[float, str]:
         """The p99 the ITL objective judges (itl_p99_over), and its name."""
