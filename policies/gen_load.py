@@ -35,6 +35,15 @@ def prefill_per_step(observation: Observation) -> float:
     return max(prompt, arriving, waiting * prompt)
 
 
+def chunk_binds(observation: Observation, chunk: int) -> bool:
+    """Prompts wait in a worker for more prefill than one step's chunk holds (a mean prompt each):
+    the chunk is what holds them. Under load a worker nearly always has a prompt that arrived since
+    its step began; that one is prefilled at the next step whatever the chunk."""
+    load = observation.load
+    prompt = load.input_tokens_per_second / load.items_rate if load.items_rate > 0 else 0.0
+    return any(w.waiting_sequences * prompt > chunk_size(chunk) for w in ready_workers(observation))
+
+
 def chunk_size(tokens: int) -> float:
     """max_batch_tokens as a size: 0 prefills whole prompts, the largest chunk there is."""
     return tokens or float("inf")
@@ -54,9 +63,22 @@ def rising(observation: Observation) -> bool:
     completions exceed twice the Poisson spread of that difference (the root of their sum). A
     steady load passes it by chance about one window in 40; a burst's first seconds (2.8-4.2
     arrivals a second against 0.1-1.3 completions, live) pass it."""
-    load, seconds = observation.load, observation.window_seconds
-    arrived, finished = load.arrival_rate * seconds, load.completion_rate * seconds
+    arrived, finished = _counts(observation)
     return arrived - finished > 2 * math.sqrt(arrived + finished)
+
+
+def falling(observation: Observation) -> bool:
+    """Requests finish faster than they arrive by more than chance (as `rising`, the other way): a
+    backlog draining after a burst. Live, a burst's last queued requests finished over 20-60 s at
+    1.3-3 a second while 0.38 a second arrived."""
+    arrived, finished = _counts(observation)
+    return finished - arrived > 2 * math.sqrt(arrived + finished)
+
+
+def _counts(observation: Observation) -> tuple[float, float]:
+    """Requests that arrived and that finished in the window."""
+    load, seconds = observation.load, observation.window_seconds
+    return load.arrival_rate * seconds, load.completion_rate * seconds
 
 
 def rates(observation: Observation) -> str:

@@ -32,8 +32,9 @@ makes at most one move, the first of these that applies:
    else, with full batches, fewer running sequences (a step's cost grows with its rows) unless TTFT is over too,
    or too few first tokens to judge it while sequences queue (capacity is short: fewer rows would
    only lengthen the queue; hold); else, with `ttft_first` and capacity short, hold (fewer
-   workers make no more tokens a second); else more threads per worker and fewer workers (the same
-   rows on more cores). That last move is a bet: whether a step of more threads is faster
+   workers make no more tokens a second); else, while requests finish faster than they arrive
+   beyond chance (a burst's backlog draining), hold; else more threads per worker and fewer workers
+   (the same rows on more cores). That last move is a bet: whether a step of more threads is faster
    depends on the CPU and the model (SmolLM2 on two EPYC cores decodes no faster on 1 × 2 than
    on 2 × 1). It is judged on the first window measured wholly after it (the policy holds till
    then): unless ITL p50 fell by `min_layout_gain` or the ITL objective is met, the layout goes
@@ -42,7 +43,8 @@ makes at most one move, the first of these that applies:
    more worker, the rows split over both;
 4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective; with
    `ttft_first` and sequences queued, a mean gap <= `mean_headroom` × objective will do): when
-   prompts wait inside the workers for their prefill, larger prefill chunks (× 2: fewer weight
+   prompts wait inside the workers for more prefill than one chunk holds (a mean prompt each),
+   larger prefill chunks (× 2: fewer weight
    reads per prompt token; with `ttft_first`, at least twice what keeps up with the arrivals); when sequences queue (in the front or in a worker) and batches are full, a larger batch (+
    `growth_step`; continuous batching makes more tokens per second at a larger batch), else one
    more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
@@ -72,7 +74,7 @@ from pydantic import Field
 from engine.config import Bounds, Knobs
 from monitors.observation import Observation
 from policies.base import Decision, Params, clamp_knob, describe_changes
-from policies.gen_load import bet_measure, chunk_size, is_queueing, keep_up_tokens, ms, prefill_per_step, rates, ready_workers, rising
+from policies.gen_load import chunk_binds, falling, bet_measure, chunk_size, is_queueing, keep_up_tokens, ms, prefill_per_step, rates, ready_workers, rising
 
 KEEP_UP_MARGIN = 2.0
 """A chunk this many times what keeps prefill up with the arrivals: what TTFT grows a chunk to when
@@ -288,6 +290,11 @@ class GeneratePolicy:
             # second, which a queue lacks; and judged on ITL p50 it would look paid as the burst
             # that made the queue ends (the live bursts went 2 × 1 -> 1 × 2 at their height and held it).
             return knobs, held + "ITL over with capacity short: no fewer workers while sequences queue, holding"
+        if falling(observation):
+            # A burst's backlog draining: its ITL p99 is the burst's, and ITL p50 after the move would
+            # be the quiet's, so the bet would look paid whatever it did (simulated, 2 × 1 -> 1 × 2 so
+            # at a burst's end met the next burst on one worker and lost a third of the run's goodput).
+            return knobs, held + f"ITL over while requests finish faster than they arrive ({rates(observation)}): the load that made it is leaving, holding"
         return self._bet_on_layout(observation, knobs, bounds, "threads", "itl", held + "ITL over: more threads per step")
 
     def _bet_on_layout(self, observation: Observation, knobs: Knobs, bounds: Bounds, kind: str, metric: str, why: str) -> tuple[Knobs, str]:
@@ -347,9 +354,11 @@ class GeneratePolicy:
                 return self._bet_on_layout(observation, knobs, bounds, "workers", "cost", f"{why}, sequences queue: one more worker")
             return knobs, f"{why}, holding"
         chunk = knobs.max_batch_tokens * 2 if knobs.max_batch_tokens else 0
-        if any(w.waiting_sequences for w in ready_workers(observation)) and chunk and chunk <= bounds.max_batch_tokens[1]:
-            # Prompts wait inside the workers for their prefill: larger chunks read the weights
-            # fewer times per prompt token, so the workers prefill more tokens a second.
+        if chunk_binds(observation, knobs.max_batch_tokens) and chunk and chunk <= bounds.max_batch_tokens[1]:
+            # Prompts wait inside the workers for more prefill than a chunk holds: larger chunks read
+            # the weights fewer times per prompt token, so the workers prefill more tokens a second.
+            # (Only those: simulated, "a prompt waits" alone doubled 768 -> 12288 as each step's
+            # newest arrival waited for the next step, and ITL p99 stayed at 390-410 ms.)
             keep_up = KEEP_UP_MARGIN * keep_up_tokens(observation) if self.params.ttft_first else 0
             if keep_up > chunk:  # at least twice what keeps pace with the arrivals, so the backlog drains too
                 chunk = clamp_knob(bounds, "max_batch_tokens", -(-int(keep_up) // 32) * 32)
