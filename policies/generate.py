@@ -44,8 +44,8 @@ makes at most one move, the first of these that applies:
 4. TTFT p99 over its objective while ITL has headroom (p99 <= `headroom` × objective; with
    `ttft_first` and sequences queued, a mean gap <= `mean_headroom` × objective will do): when
    prompts wait inside the workers for more prefill than one chunk holds (a mean prompt each),
-   larger prefill chunks (× 2: fewer weight
-   reads per prompt token; with `ttft_first`, at least twice what keeps up with the arrivals); when sequences queue (in the front or in a worker) and batches are full, a larger batch (+
+   larger prefill chunks (× 2: fewer weight reads per prompt token; with `ttft_first`, at least
+   twice what keeps up with the arrivals); when sequences queue (in the front or in a worker) and batches are full, a larger batch (+
    `growth_step`; continuous batching makes more tokens per second at a larger batch), else one
    more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
    prefill: a larger max_batch_tokens (fewer steps per prompt). Without ITL headroom capacity is
@@ -74,7 +74,7 @@ from pydantic import Field
 from engine.config import Bounds, Knobs
 from monitors.observation import Observation
 from policies.base import Decision, Params, clamp_knob, describe_changes
-from policies.gen_load import chunk_binds, falling, bet_measure, chunk_size, is_queueing, keep_up_tokens, ms, prefill_per_step, rates, ready_workers, rising
+from policies.gen_load import bet_measure, chunk_binds, chunk_size, falling, is_queueing, keep_up_tokens, ms, prefill_per_step, rates, ready_workers, rising
 
 KEEP_UP_MARGIN = 2.0
 """A chunk this many times what keeps prefill up with the arrivals: what TTFT grows a chunk to when
