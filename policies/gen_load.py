@@ -29,7 +29,7 @@ def prefill_per_step(observation: Observation) -> float:
     ttft, itl = load.latency.get("ttft"), load.latency.get("itl")
     if ttft is None or not ttft.count or load.items_rate <= 0:
         return 0.0  # no prompt reached a worker in the window
-    prompt = load.input_tokens_per_second / load.items_rate
+    prompt = mean_prompt(observation)
     waiting = sum(w.waiting_sequences for w in observation.workers)
     arriving = load.input_tokens_per_second * (itl.mean or 0.0) if itl is not None else 0.0
     return max(prompt, arriving, waiting * prompt)
@@ -39,9 +39,14 @@ def chunk_binds(observation: Observation, chunk: int) -> bool:
     """Prompts wait in a worker for more prefill than one step's chunk holds (a mean prompt each):
     the chunk is what holds them. Under load a worker nearly always has a prompt that arrived since
     its step began; that one is prefilled at the next step whatever the chunk."""
-    load = observation.load
-    prompt = load.input_tokens_per_second / load.items_rate if load.items_rate > 0 else 0.0
+    prompt = mean_prompt(observation)
     return any(w.waiting_sequences * prompt > chunk_size(chunk) for w in ready_workers(observation))
+
+
+def mean_prompt(observation: Observation) -> float:
+    """Prompt tokens of the window's mean request (0 when none reached a worker)."""
+    load = observation.load
+    return load.input_tokens_per_second / load.items_rate if load.items_rate > 0 else 0.0
 
 
 def chunk_size(tokens: int) -> float:

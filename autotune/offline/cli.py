@@ -121,10 +121,10 @@ def _sim_arguments(parser) -> None:
     parser.add_argument("--max-queued-requests", type=int, default=512)
     parser.add_argument("--interval", type=float, default=2.0, help="controller interval (autotune.interval_seconds)")
     parser.add_argument("--cooldown", type=float, default=4.0, help="controller cooldown (autotune.cooldown_seconds)")
-    parser.add_argument("--speed-noise", type=float, default=0.0, help="generate: the machine's speed wanders, every step's time x exp(x), x of this standard deviation (0: none)")
-    parser.add_argument("--speed-noise-seconds", type=float, default=10.0, help="generate: the correlation time of that wandering")
-    parser.add_argument("--step-noise", type=float, default=0.0, help="generate: each step's own lognormal jitter (standard deviation of its log)")
-    parser.add_argument("--noise-seed", type=int, default=0, help="generate: the seed of both noises")
+    parser.add_argument("--speed-noise", type=float, default=None, help="generate: the machine's speed wanders, every step's time x exp(x), x of this standard deviation (default 0: none)")
+    parser.add_argument("--speed-noise-seconds", type=float, default=None, help="generate: the correlation time of that wandering (default 10 s)")
+    parser.add_argument("--step-noise", type=float, default=None, help="generate: each step's own lognormal jitter, the standard deviation of its log (default 0)")
+    parser.add_argument("--noise-seed", type=int, default=None, help="generate: the seed of both noises (default 0)")
 
 
 def sim_config(args, slo: float, knobs: Knobs | None = None, serving: dict | None = None, **extra):

@@ -43,6 +43,10 @@ def sim_knobs(text: str, cost_model) -> Knobs:
     return knobs
 
 
+SIM_NOISE = ("speed_noise", "speed_noise_seconds", "step_noise", "noise_seed")
+"""GenSimConfig's machine-noise fields, taken from the command line where given (their defaults are GenSimConfig's)."""
+
+
 def gen_sim_config(args, knobs: Knobs | None = None, **extra):
     from autotune.offline.gen_simulator import GenSimConfig
 
@@ -51,8 +55,7 @@ def gen_sim_config(args, knobs: Knobs | None = None, **extra):
         cores=args.cores or len(os.sched_getaffinity(0)),
         ttft_seconds=args.ttft, itl_seconds=args.itl, startup_seconds=args.startup_seconds,
         max_queued_requests=args.max_queued_requests, control_interval=args.interval, cooldown_seconds=args.cooldown,
-        speed_noise=getattr(args, "speed_noise", 0.0), speed_noise_seconds=getattr(args, "speed_noise_seconds", 10.0),
-        step_noise=getattr(args, "step_noise", 0.0), noise_seed=getattr(args, "noise_seed", 0), **extra,
+        **{key: getattr(args, key) for key in SIM_NOISE if getattr(args, key, None) is not None}, **extra,
     )
 
 

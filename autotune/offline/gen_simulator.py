@@ -350,8 +350,6 @@ class SpeedNoise:
         self.at = 0.0
 
     def factor(self, now: float) -> float:
-        if self.sigma <= 0 and self.step_sigma <= 0:
-            return 1.0
         if self.sigma > 0:
             keep = math.exp(-max(now - self.at, 0.0) / self.seconds)
             self.x = self.x * keep + self.sigma * math.sqrt(1.0 - keep * keep) * self.rng.normal()
