@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +26,20 @@ from monitors.observation import Observation
 from policies.base import Policy
 
 log = logging.getLogger("selftune.controller")
+
+HOLD = "no-change"
+"""The outcome of a decision that changed nothing (the policy held, or the guardrails took its move back)."""
+
+
+def without_holds(decisions: list[dict]) -> list[dict]:
+    """The decisions that did something: changes, dry runs, failures, reloads."""
+    return [d for d in decisions if d.get("outcome") != HOLD]
+
+
+def hold_key(reason: str) -> str:
+    """A hold's reason with its numbers masked: holds that differ only in the figures they quote
+    are one run of holds, recorded once (a policy that holds for an hour logs why once, not 720 times)."""
+    return re.sub(r"\d+(?:\.\d+)?", "#", reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +78,8 @@ class DecisionLoop:
         self.config = config
         self.next_decision_at = 0.0
         self.calls = 0
+        self._last_hold: str | None = None
+        """hold_key of the last hold recorded: the next hold with the same key is not."""
 
     def step(self, observation: Observation, current: Knobs, pinned: set[str]) -> Step:
         now = observation.time
@@ -82,13 +99,22 @@ class DecisionLoop:
             return Step(None, self.entry(observation, current, None, None, "policy-nonsense", repr(decision)[:500]))
         knobs, notes = constrain(decision.knobs, current, self.bounds, limits, pinned)
         if knobs == current:
-            return Step(None, None)
+            return Step(None, self._hold(observation, current, decision, notes))
         outcome = "dry-run" if self.config.dry_run else "applied"
         return Step(knobs, self.entry(observation, current, decision.knobs, knobs, outcome, decision.reason, notes))
 
     def applied(self, now: float) -> None:
         """A change landed: no decision until the cooldown is over."""
         self.next_decision_at = now + max(self.config.interval_seconds, self.config.cooldown_seconds)
+
+    def _hold(self, observation: Observation, current: Knobs, decision, notes: list[str]) -> dict | None:
+        """The audit line of a hold, or None when the last hold recorded gave the same reason."""
+        reason = "; ".join([decision.reason, *notes]) if notes else decision.reason
+        key = hold_key(reason)
+        if key == self._last_hold:
+            return None
+        self._last_hold = key
+        return self.entry(observation, current, decision.knobs, current, HOLD, decision.reason, notes)
 
     def _structural_change_in_flight(self, observation: Observation) -> bool:
         """A worker still warming up or draining: wait until the last change has landed."""

@@ -12,6 +12,7 @@ import yaml
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse
 
+from autotune.controller import HOLD
 from autotune.history import History, page
 from autotune.settings import ServerConfig
 
@@ -71,6 +72,7 @@ def install(app: FastAPI, history: History, config: ServerConfig, controller) ->
             "dry_run": tune.dry_run,
             "policy": controller.policy.name if controller is not None else None,
             "policy_file": str(tune.policy_path()) if controller is not None else None,
+            "holding": last_hold(controller),
             "slo_seconds": slo(),
             "bounds": {k: list(getattr(bounds, k)) for k in bounds.__dataclass_fields__},
             "pinned": sorted(state.pinned),
@@ -96,3 +98,9 @@ def install(app: FastAPI, history: History, config: ServerConfig, controller) ->
     @app.get("/dashboard", response_class=HTMLResponse)
     def dashboard():
         return HTMLResponse(page(), headers={"cache-control": "no-cache"})
+
+
+def last_hold(controller) -> dict | None:
+    """The policy's last decision when it was a hold: why the knobs stay, however long ago it was recorded."""
+    last = controller.decisions(1) if controller is not None else []
+    return {"reason": last[0]["reason"], "time": last[0]["time"]} if last and last[0].get("outcome") == HOLD else None

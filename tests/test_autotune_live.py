@@ -8,6 +8,7 @@ import httpx
 import pytest
 import yaml
 from autotune.bench.server import ServerProcess
+from autotune.controller import hold_key
 
 from autotune.bench.loadgen import open_loop
 
@@ -59,6 +60,7 @@ def test_threshold_scales_workers_up_and_down_with_the_load(tmp_path, policy_fil
         assert statuses.count(200) == len(statuses), {s: statuses.count(s) for s in set(statuses)}
         assert max(counts) == 2, counts
         assert counts[-1] == 1, counts
+        held_now = httpx.get(srv.url + "/stats/history").json()
         decisions = httpx.get(srv.url + "/admin/decisions", headers={"authorization": f"Bearer {TOKEN}"}).json()["decisions"]
         applied = [d for d in decisions if d["outcome"] == "applied"]
         ups = [d for d in applied if d["new"]["process_count"] > d["old"]["process_count"]]
@@ -67,6 +69,12 @@ def test_threshold_scales_workers_up_and_down_with_the_load(tmp_path, policy_fil
         assert all("busy" in d["reason"] for d in ups + downs)
         logged = [json.loads(line) for line in audit.read_text().splitlines()]
         assert [d["new"] for d in logged if d["outcome"] == "applied"] == [d["new"] for d in applied]
+        # the holds between them say why, each run of holds once: no two in a row differ only in their figures
+        holds = [d for d in decisions if d["outcome"] == "no-change"]
+        assert holds and all(d["new"] == d["old"] and "busy" in d["reason"] for d in holds)
+        assert all(hold_key(a["reason"]) != hold_key(b["reason"]) for a, b in zip(holds, holds[1:]))
+        holding = held_now["info"]["holding"]  # the dashboard's "holding" line, asked before the decisions
+        assert holding is None or {"reason": holding["reason"], "time": holding["time"]} in [{"reason": d["reason"], "time": d["time"]} for d in holds]
         stats = httpx.get(srv.url + "/stats").json()
         assert stats["counters"]["failed"] == 0 and stats["counters"]["worker_deaths"] == 0
     finally:

@@ -18,6 +18,7 @@ from autotune.bench.modes import SHIPPED, generation_candidates, mode
 from autotune.bench.runner import ModeResult
 from autotune.bench.server import ServerProcess
 from autotune.bench.stream_loadgen import StreamResult
+from autotune.controller import without_holds
 
 
 def stream(sent_at: float, ttft: float = 0.1, gap: float = 0.05, tokens: int = 8, status: int = 200, **kw) -> StreamResult:
@@ -221,7 +222,7 @@ def test_bench_generate_replays_a_workload_against_each_mode_and_the_grid(tmp_pa
         assert m["max_qps"] == 0 and not m["steps"]  # no ladder ran
     assert summary["modes"][1]["final_knobs"]["process_count"] == 2 and summary["modes"][2]["final_knobs"]["max_batch_size"] == 4
     # the policy's own reasons, fetched from the server before it stopped: first of all, 4 × 2 does not fit 2 cores
-    first = summary["modes"][0]["decisions"][0]
+    first = without_holds(summary["modes"][0]["decisions"])[0]
     assert first["old"]["process_count"] == 4 and first["new"]["process_count"] < 4 and first["reason"] and isinstance(first["at"], float)
     assert summary["modes"][1]["decisions"] == []  # no policy runs there
     verdicts = summary["verdicts"]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from autotune.controller import Controller, ControllerConfig
+from autotune.controller import HOLD, Controller, ControllerConfig, DecisionLoop, without_holds
 from autotune.guardrails import MachineLimits, constrain, effective_bounds
 from engine.config import Bounds, EngineConfig, Knobs
 from engine.engine import Engine
@@ -120,8 +120,37 @@ def test_pins_and_dry_run(engine, tmp_path):
     pinned = make_controller(engine, Propose(lambda k: Decision(k.replace(max_batch_size=2), "smaller")), tmp_path)
     pinned.pinned = lambda: {"max_batch_size"}
     pinned.on_observation(observation(300.0))
-    assert engine.knobs == knobs and pinned.decisions() == []
+    # the pin took the move back: a hold, recorded with the policy's reason and the guardrail's note
+    hold = pinned.decisions()[-1]
+    assert engine.knobs == knobs and hold["outcome"] == "no-change" and hold["reason"] == "smaller"
+    assert hold["new"] == hold["old"] == knobs.as_dict() and hold["proposed"]["max_batch_size"] == 2
+    assert any("max_batch_size is pinned" in n for n in hold["notes"])
     dry = make_controller(engine, Propose(lambda k: Decision(k.replace(max_batch_size=2), "smaller")), tmp_path, dry_run=True)
     dry.on_observation(observation(300.0))
     assert engine.knobs == knobs
     assert dry.decisions()[-1]["outcome"] == "dry-run" and dry.decisions()[-1]["new"]["max_batch_size"] == 2
+
+
+def test_holds_are_recorded_once_per_reason():
+    """A policy that holds says why in the audit log, once per run of holds that differ only in
+    their figures; a new reason, or the old one after another, is recorded again."""
+    reasons = iter(["p99 12 ms of 500 ms: holding", "p99 14.5 ms of 500 ms: holding", "3 of 20 samples: holding",
+                    "p99 9 ms of 500 ms: holding", "p99 9 ms of 500 ms: holding", "grow", "p99 9 ms of 500 ms: holding"])
+
+    def decide(k):
+        reason = next(reasons)
+        return Decision(k.replace(max_batch_size=k.max_batch_size + 1) if reason == "grow" else k, reason)
+
+    loop = DecisionLoop(Propose(decide), BOUNDS, ControllerConfig(interval_seconds=1.0, limits=TWO_CORES))
+    knobs, recorded = Knobs(max_batch_size=8), []
+    for t in range(7):
+        step = loop.step(observation(10.0 + 2 * t), knobs, set())
+        if step.knobs is not None:
+            knobs = step.knobs
+        if step.entry is not None:
+            recorded.append(step.entry)
+    assert [(e["outcome"], e["reason"]) for e in recorded] == [
+        (HOLD, "p99 12 ms of 500 ms: holding"), (HOLD, "3 of 20 samples: holding"), (HOLD, "p99 9 ms of 500 ms: holding"),
+        ("applied", "grow")]  # the same hold after the change is still the run of holds it was
+    assert all(e["new"] == e["old"] for e in recorded if e["outcome"] == HOLD)
+    assert without_holds(recorded) == recorded[-1:]

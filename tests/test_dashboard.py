@@ -114,7 +114,8 @@ def test_a_report_is_the_same_page_with_the_run_inside(tmp_path):
     changes = [(0.0, Knobs(max_batch_size=4)), (10.0, Knobs(max_batch_size=16))]
     data = {"info": {"mode": "report", "title": "a test run", "model": "m", "task": "embed", "slo_seconds": 0.5, "autotune": True, "policy": "default"},
             "points": offline_points(arrival, done, ok, changes, 20.0),
-            "decisions": [{"at": 10.0, "outcome": "applied", "reason": "the batch grew", "old": changes[0][1].as_dict(), "new": changes[1][1].as_dict()}]}
+            "decisions": [{"at": 10.0, "outcome": "applied", "reason": "the batch grew", "old": changes[0][1].as_dict(), "new": changes[1][1].as_dict()},
+                          {"at": 15.0, "outcome": "no-change", "reason": "p99 300 ms of 500 ms: holding", "old": changes[1][1].as_dict(), "new": changes[1][1].as_dict()}]}
     assert len(data["points"]) == 20 and data["points"][12]["knobs"]["max_batch_size"] == 16
     assert data["points"][12]["latency"]["total"]["p50"] == pytest.approx(0.3)
     assert data["points"][0]["rejected_rate"] == 1.0  # the request at t=0 was rejected
@@ -125,6 +126,9 @@ def test_a_report_is_the_same_page_with_the_run_inside(tmp_path):
         driver.get(path.as_uri())
         assert driver.find_element("id", "knob-max_batch_size").text == "16"
         assert "the batch grew" in driver.find_element("id", "decisions").text
+        # the hold says why the knobs stay, beside the list of changes, not in it
+        assert driver.find_element("id", "holding").text == "holding — p99 300 ms of 500 ms: holding"
+        assert "holding" not in driver.find_element("id", "decisions").text
         assert "report" in driver.find_element("id", "status").text
         assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
     finally:

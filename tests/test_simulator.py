@@ -169,7 +169,9 @@ def test_step_workload_scales_process_count_up_and_down():
     assert back_at > 180  # back to one worker only once the load has dropped
     summary = result.summary()
     assert summary["completed"] == len(arrivals)
-    assert all(d["outcome"] == "applied" for d in summary["decisions"])
+    # every change is in the audit, with the holds between them (recorded once per reason)
+    outcomes = [d["outcome"] for d in summary["decisions"]]
+    assert outcomes.count("applied") == summary["changes"] and set(outcomes) == {"applied", "no-change"}
 
 
 def test_azure_trace_excerpt_loads_with_its_count_span_clipping_and_speed():

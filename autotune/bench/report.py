@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from autotune.bench.runner import ModeResult, RunLog, knob_changes
+from autotune.controller import without_holds
 
 
 def tuned_verdicts(results: list[ModeResult], rate: Callable[[float], str], gap: Callable[[ModeResult, ModeResult, ModeResult | None], str]) -> list[str]:
@@ -179,8 +180,10 @@ def write_mode_report(result: ModeResult, log: RunLog, slo: float, model: str, p
         return
     arrival, done, ok = _requests(log)
     changes = knob_changes(result.timeline)
-    decisions = result.decisions or [{"at": t, "outcome": "applied", "reason": "the knobs changed (seen in /stats)", "old": old.as_dict(), "new": new.as_dict()}
-                                     for (_, old), (t, new) in zip(changes, changes[1:])]
+    decisions = result.decisions
+    if not without_holds(decisions):  # no reasons from the server: the changes the polls saw
+        decisions = decisions + [{"at": t, "outcome": "applied", "reason": "the knobs changed (seen in /stats)", "old": old.as_dict(), "new": new.as_dict()}
+                                 for (_, old), (t, new) in zip(changes, changes[1:])]
     end = float(max(np.nanmax(done), arrival.max()))
     info = {"title": f"selftune bench: {result.mode}", "model": model, "task": task, "slo_seconds": slo,
             "autotune": result.mode.startswith("autotuned"), "policy": result.mode}

@@ -78,7 +78,8 @@ class ModeResult:
     dtype: str = ""
     """The dtype its server served (/stats model.dtype: its own start-up choice); empty if not known."""
     decisions: list[dict] = field(default_factory=list)
-    """The policy's knob changes with its reasons (GET /admin/decisions), `at` on the log's clock; empty without a policy."""
+    """The policy's knob changes with its reasons, and its holds (outcome "no-change", once per reason)
+    (GET /admin/decisions), `at` on the log's clock; empty without a policy."""
 
     @property
     def max_sentences_per_second(self) -> float:
@@ -121,11 +122,11 @@ class RunLog:
         return results
 
     def decisions(self) -> list[dict]:
-        """The controller's decisions that changed the knobs, `at` in seconds since this log started."""
+        """The controller's decisions (changes, and holds once per reason), `at` in seconds since this log started."""
         try:
             reply = self._client.get(self.url + "/admin/decisions", params={"limit": 10_000},
                                      headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).json()
-            return [{**d, "at": round(d["time"] - self.started_wall, 2)} for d in reply["decisions"] if d.get("old") != d.get("new")]
+            return [{**d, "at": round(d["time"] - self.started_wall, 2)} for d in reply["decisions"]]
         except (httpx.HTTPError, KeyError, TypeError, ValueError):
             return []  # the run's numbers stand without the reasons
 
