@@ -37,9 +37,10 @@ def without_holds(decisions: list[dict]) -> list[dict]:
 
 
 def hold_key(reason: str) -> str:
-    """A hold's reason with its numbers masked: holds that differ only in the figures they quote
-    are one run of holds, recorded once (a policy that holds for an hour logs why once, not 720 times)."""
-    return re.sub(r"\d+(?:\.\d+)?", "#", reason)
+    """A hold's reason with its figures masked (numbers with their unit, and "n/a" for a figure not
+    measured): holds that differ only in the figures they quote are one run of holds, recorded once
+    (a policy that holds for an hour logs why once, not 720 times)."""
+    return re.sub(r"n/a|\d+(?:\.\d+)?(?:\s?(?:ms|s)\b)?", "#", reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,7 @@ class DecisionLoop:
         self.next_decision_at = 0.0
         self.calls = 0
         self._last_hold: str | None = None
-        """hold_key of the last hold recorded: the next hold with the same key is not."""
+        """hold_key of the last hold recorded, if nothing else was since: the next hold with the same key is not."""
 
     def step(self, observation: Observation, current: Knobs, pinned: set[str]) -> Step:
         now = observation.time
@@ -93,13 +94,16 @@ class DecisionLoop:
             decision = self.policy.decide(observation, current, bounds)
         except Exception as exc:
             log.exception("policy %s raised; keeping %s", self.policy.name, current)
+            self._last_hold = None
             return Step(None, self.entry(observation, current, None, None, "policy-error", f"{type(exc).__name__}: {exc}"))
         if not is_sane(getattr(decision, "knobs", None)):
             log.error("policy %s answered nonsense (%r); keeping the knobs", self.policy.name, decision)
+            self._last_hold = None
             return Step(None, self.entry(observation, current, None, None, "policy-nonsense", repr(decision)[:500]))
         knobs, notes = constrain(decision.knobs, current, self.bounds, limits, pinned)
         if knobs == current:
             return Step(None, self._hold(observation, current, decision, notes))
+        self._last_hold = None  # holding after a change is news again
         outcome = "dry-run" if self.config.dry_run else "applied"
         return Step(knobs, self.entry(observation, current, decision.knobs, knobs, outcome, decision.reason, notes))
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from autotune.controller import HOLD, Controller, ControllerConfig, DecisionLoop, without_holds
+from autotune.controller import HOLD, Controller, ControllerConfig, DecisionLoop, hold_key, without_holds
 from autotune.guardrails import MachineLimits, constrain, effective_bounds
 from engine.config import Bounds, EngineConfig, Knobs
 from engine.engine import Engine
@@ -133,8 +133,8 @@ def test_pins_and_dry_run(engine, tmp_path):
 
 def test_holds_are_recorded_once_per_reason():
     """A policy that holds says why in the audit log, once per run of holds that differ only in
-    their figures; a new reason, or the old one after another, is recorded again."""
-    reasons = iter(["p99 12 ms of 500 ms: holding", "p99 14.5 ms of 500 ms: holding", "3 of 20 samples: holding",
+    their figures; a new reason, or the old one after another or after a change, is recorded again."""
+    reasons = iter(["p99 12 ms of 500 ms: holding", "p99 n/a of 500 ms: holding", "3 of 20 samples: holding",
                     "p99 9 ms of 500 ms: holding", "p99 9 ms of 500 ms: holding", "grow", "p99 9 ms of 500 ms: holding"])
 
     def decide(k):
@@ -151,6 +151,7 @@ def test_holds_are_recorded_once_per_reason():
             recorded.append(step.entry)
     assert [(e["outcome"], e["reason"]) for e in recorded] == [
         (HOLD, "p99 12 ms of 500 ms: holding"), (HOLD, "3 of 20 samples: holding"), (HOLD, "p99 9 ms of 500 ms: holding"),
-        ("applied", "grow")]  # the same hold after the change is still the run of holds it was
+        ("applied", "grow"), (HOLD, "p99 9 ms of 500 ms: holding")]  # after a change, holding is news again
     assert all(e["new"] == e["old"] for e in recorded if e["outcome"] == HOLD)
-    assert without_holds(recorded) == recorded[-1:]
+    assert without_holds(recorded) == [recorded[-2]]
+    assert hold_key("TTFT p99 1.2 s of 2 s, 10 seconds") == hold_key("TTFT p99 n/a of 2 s, 10 seconds") == "TTFT p# # of #, # seconds"
