@@ -107,6 +107,10 @@ class DecisionLoop:
         outcome = "dry-run" if self.config.dry_run else "applied"
         return Step(knobs, self.entry(observation, current, decision.knobs, knobs, outcome, decision.reason, notes))
 
+    def use(self, policy: Policy) -> None:
+        """Decide with `policy` from now on (a reload): its first hold is news, whatever the last one said."""
+        self.policy, self._last_hold = policy, None
+
     def applied(self, now: float) -> None:
         """A change landed: no decision until the cooldown is over."""
         self.next_decision_at = now + max(self.config.interval_seconds, self.config.cooldown_seconds)
@@ -189,7 +193,8 @@ class Controller:
             raise RuntimeError("this controller was not started from a policy file")
         policy = self.load_policy()
         with self._lock:
-            old, self.loop.policy = self.loop.policy.name, policy
+            old = self.loop.policy.name
+            self.loop.use(policy)
         self._record({"outcome": "policy-reloaded", "reason": f"policy {old} -> {policy.name}"})
         log.info("policy reloaded: %s -> %s", old, policy.name)
         return policy.name

@@ -154,4 +154,6 @@ def test_holds_are_recorded_once_per_reason():
         ("applied", "grow"), (HOLD, "p99 9 ms of 500 ms: holding")]  # after a change, holding is news again
     assert all(e["new"] == e["old"] for e in recorded if e["outcome"] == HOLD)
     assert without_holds(recorded) == [recorded[-2]]
+    loop.use(Propose(lambda k: Decision(k, "p99 9 ms of 500 ms: holding")))  # a reloaded policy's first hold is news
+    assert loop.step(observation(30.0), knobs, set()).entry["outcome"] == HOLD and loop.step(observation(32.0), knobs, set()).entry is None
     assert hold_key("TTFT p99 1.2 s of 2 s, 10 seconds") == hold_key("TTFT p99 n/a of 2 s, 10 seconds") == "TTFT p# # of #, # seconds"
