@@ -42,7 +42,7 @@ class SelftuneCollector(Collector):
         stats = reading.stats
         c = stats.counters
         outcomes = CounterMetricFamily("selftune_requests", "Requests by outcome", labels=["outcome"])
-        for outcome, value in (("completed", c.completed), ("failed", c.failed), ("cancelled", c.cancelled), ("rejected", reading.rejected), ("timed_out", reading.timed_out)):
+        for outcome, value in (("completed", c.completed), ("failed", c.failed), ("cancelled", c.cancelled), ("shed", c.shed), ("rejected", reading.rejected), ("timed_out", reading.timed_out)):
             outcomes.add_metric([outcome], value)
         yield outcomes
         yield _counter("selftune_batches", "Batches sent to workers", c.batches)

@@ -105,6 +105,7 @@ class LimitsSection(Section):
     max_queued_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 512
     max_queued_tokens: Annotated[int, Field(ge=1)] | None = 200_000
     request_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    queue_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] | None = None
     default_max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 16
 
 
@@ -249,6 +250,7 @@ class ServerConfig(Section):
             placement_cpus=tuple(tuple(cpus) for cpus in self.placement.cpus) if self.placement.cpus else None,
             workers_per_gpu=self.placement.workers_per_gpu,
             crash_loop=(self.supervision.crash_loop_deaths, self.supervision.crash_loop_window_seconds),
+            queue_timeout=self.limits.queue_timeout_seconds,
         )
 
     def server_limits(self) -> ServerLimits:

@@ -32,11 +32,13 @@ class Telemetry:
 
     def reading(self) -> EngineReading:
         state = self.state
+        stats = self.engine.stats()
         return EngineReading(
-            stats=self.engine.stats(),
+            stats=stats,
             latency=self.engine.latency.snapshot(),
             upper_bounds=LatencyHistograms.upper_bounds(),
-            rejected=state.admission.rejected if state else 0,
+            # refused with a 429: at admission (the server full) or after the queue limit (shed)
+            rejected=(state.admission.rejected if state else 0) + stats.counters.shed,
             timed_out=state.timed_out if state else 0,
         )
 

@@ -95,6 +95,18 @@ class Batcher:
             del self._pending[seq]
         return len(doomed)
 
+    def expire(self, before: float) -> list[Item]:
+        """Drop and return the waiting items that arrived at or before `before`, oldest first. Checked at
+        the head: items come in nearly in arrival order, and one that tokenized faster than an
+        older one goes no later than that one does."""
+        oldest = self.oldest_arrival()
+        if oldest is None or oldest > before:
+            return []
+        expired = [item for item in self._pending.values() if item.arrival <= before]
+        for item in expired:
+            del self._pending[item.seq]
+        return expired
+
     def oldest_arrival(self) -> float | None:
         if not self._pending:
             return None

@@ -162,6 +162,9 @@ class EngineConfig:
     """Run one dummy batch in each new worker before it takes traffic."""
     max_inflight_batches: int = INFLIGHT_BATCHES
     """Embedding batches a worker may hold at once."""
+    queue_timeout: float | None = None
+    """Seconds a request's work may wait in the front's queue for a worker; past it the request is
+    refused (QueueTimeout, a 429) and never runs. None: it waits (until the request's own timeout)."""
     restart_backoff: tuple[float, float] = (0.1, 5.0)
     """Initial and maximum delay before a dead worker is replaced (doubles on each death)."""
     placement: PlacementMode = "auto"

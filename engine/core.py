@@ -38,7 +38,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, info: ModelInfo, zygote: Connection, device: str, knobs: Knobs, latency: LatencyHistograms):
         self.config = config
         self.knobs = knobs
-        self.scheduler = Scheduler(config.task, knobs, config.max_inflight_batches)
+        self.scheduler = Scheduler(config.task, knobs, config.max_inflight_batches, config.queue_timeout)
         self.counters = Counters()
         self.state = EngineState.SERVING
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -104,6 +104,9 @@ class EngineCore:
         now = time.monotonic()
         if self.state is EngineState.SERVING:
             self.supervisor.reconcile(now)
+        shed = self.scheduler.shed(now)
+        if shed:
+            self.jobs.shed(shed, now)
         for dispatch in self.scheduler.schedule(now):
             self.jobs.send(self.supervisor.workers[dispatch.worker_id], dispatch.batch, now)
         self._publish()

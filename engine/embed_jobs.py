@@ -90,6 +90,14 @@ class EmbedJobs(TaskJobs):
     def recover(self, handle: WorkerHandle) -> list[Item]:
         return [item for batch, _, _ in handle.batches.values() for item in batch.items if item.request_id in self.jobs]
 
+    def shed(self, items: list[Item], now: float) -> None:
+        for request_id in {item.request_id: None for item in items}:
+            self.scheduler.batcher.cancel(request_id)  # its other inputs: the request has failed
+            job = self.jobs.pop(request_id, None)
+            if job is not None:
+                self.counters.shed += 1
+                job.future.set_exception(self.shed_error())
+
     def cancel(self, request_id: int) -> bool:
         self.scheduler.batcher.cancel(request_id)
         return self.jobs.pop(request_id, None) is not None

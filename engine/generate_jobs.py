@@ -85,6 +85,15 @@ class GenerateJobs(TaskJobs):
                     job.stream.put(WorkerLost("the worker running this generation died after it had started streaming"))
         return requeue
 
+    def shed(self, items: list[Item], now: float) -> None:
+        for item in items:
+            job = self.jobs.pop(item.request_id, None)
+            if job is not None:
+                self.counters.shed += 1
+                # its first token would have come after at least this wait: TTFT's histogram counts it (the policy also counts it refused)
+                self.latency.record("ttft", now - job.created)
+                job.stream.put(self.shed_error())
+
     def cancel(self, request_id: int) -> bool:
         """Also stops the generation on its worker, which frees its place there."""
         self.scheduler.batcher.cancel(request_id)

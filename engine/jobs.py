@@ -29,6 +29,10 @@ class ModelFailed(EngineError):
     """The model raised on this input."""
 
 
+class QueueTimeout(EngineError):
+    """The request waited its queue limit for a worker and was refused before it ran (overload)."""
+
+
 class InputTooLong(ValueError):
     """An input has more tokens than the model (or the configured limit) accepts."""
 

@@ -33,9 +33,11 @@ class WorkerPlan:
 
 
 class Scheduler:
-    def __init__(self, task: Task, knobs: Knobs, max_inflight_batches: int = INFLIGHT_BATCHES):
+    def __init__(self, task: Task, knobs: Knobs, max_inflight_batches: int = INFLIGHT_BATCHES, queue_timeout: float | None = None):
         self.task = task
         self.max_inflight_batches = max_inflight_batches
+        self.queue_timeout = queue_timeout
+        """Seconds an item may wait for a worker (limits.queue_timeout_seconds); None: no limit."""
         self.batcher = Batcher(1, 0.0)
         self.router = Router(1)
         self._next_worker_id = 0
@@ -77,6 +79,14 @@ class Scheduler:
     def submit(self, item: Item) -> None:
         self.batcher.add(item)
 
+    def shed(self, now: float) -> list[Item]:
+        """The items that have waited `queue_timeout` without a worker, taken out of the queue for
+        the caller to refuse (a 429). Called before `schedule`: an item at its limit is shed even if
+        a worker has just freed up, so the limit means the same whatever the timing of a turn."""
+        if self.queue_timeout is None:
+            return []
+        return self.batcher.expire(now - self.queue_timeout)
+
     def schedule(self, now: float) -> list[Dispatch]:
         dispatches = []
         while (worker_id := self.router.pick()) is not None:
@@ -88,10 +98,14 @@ class Scheduler:
         return dispatches
 
     def next_wakeup(self) -> float | None:
-        """When a waiting batch falls due; None when nothing waits or no worker has room."""
-        if not self.router.has_room():
-            return None
-        return self.batcher.next_due()
+        """When a waiting batch falls due (if a worker has room) or the oldest item reaches its
+        queue limit; None when neither can happen."""
+        due = self.batcher.next_due() if self.router.has_room() else None
+        oldest = self.batcher.oldest_arrival()
+        if self.queue_timeout is not None and oldest is not None:
+            expiry = oldest + self.queue_timeout
+            due = expiry if due is None else min(due, expiry)
+        return due
 
     def queue_depth(self) -> int:
         return len(self.batcher)

@@ -21,6 +21,8 @@ class Counters:
     completed: int = 0
     failed: int = 0
     cancelled: int = 0
+    shed: int = 0
+    """Requests refused after waiting their queue limit (EngineConfig.queue_timeout) for a worker."""
     batches: int = 0
     items: int = 0
     real_tokens: int = 0

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 from engine import messages as m
 from engine.batcher import Batch, Item
 from engine.config import EngineConfig
+from engine.jobs import QueueTimeout
 from engine.loading import ModelInfo
 from engine.scheduler import Scheduler
 from engine.stats import Counters, LatencyHistograms
@@ -51,6 +52,14 @@ class TaskJobs:
     def recover(self, handle: "WorkerHandle") -> list[Item]:
         """A worker died holding work: fail what cannot re-run, return the items that can."""
         raise NotImplementedError
+
+    def shed(self, items: list[Item], now: float) -> None:
+        """These items waited their queue limit: end their requests with `shed_error()`."""
+        raise NotImplementedError
+
+    def shed_error(self) -> QueueTimeout:
+        return QueueTimeout(f"the server is over capacity: this request waited {self.config.queue_timeout:g}s "
+                            "(limits.queue_timeout_seconds) for a worker and was not run; retry later")
 
     def cancel(self, request_id: int) -> bool:
         """Drop a request's queued work (the caller gets nothing more); False if unknown."""

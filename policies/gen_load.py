@@ -90,6 +90,15 @@ def rates(observation: Observation) -> str:
     return f"{observation.load.arrival_rate:.2f} against {observation.load.completion_rate:.2f} a second"
 
 
+def refused_share(observation: Observation) -> float:
+    """The share of the window's requests refused with a 429 (admission full, or shed after
+    limits.queue_timeout_seconds): each one missed its first token for good, whatever TTFT the
+    served ones had (a queue limit short of the objective keeps those on time)."""
+    load = observation.load
+    offered = load.arrival_rate + load.rejected_rate
+    return load.rejected_rate / offered if offered > 0 else 0.0
+
+
 def is_queueing(observation: Observation) -> bool:
     """Sequences wait for a place: in the front's queue or inside a worker."""
     return observation.load.queue_depth > 0 or any(w.waiting_sequences for w in observation.workers)

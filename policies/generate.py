@@ -2,7 +2,10 @@
 cap, tuned against a TTFT p99 and an ITL (inter-token latency) p99 objective.
 
 Each decision reads the window's TTFT and ITL p99s and the workers' sequences and KV figures and
-makes at most one move, the first of these that applies:
+makes at most one move, the first of these that applies. "TTFT over" below also means more than
+1 % of the window's requests refused with a 429 (the admission limit, or shed after
+limits.queue_timeout_seconds): a queue limit short of the objective keeps the served requests'
+TTFT under it while the refused ones miss it for good.
 
 1. too few inter-token latencies in the window (`min_tokens`), or a change younger than
    `cooldown_seconds`: hold, nothing measured under the current knobs yet;
@@ -74,8 +77,11 @@ from pydantic import Field
 from engine.config import Bounds, Knobs
 from monitors.observation import Observation
 from policies.base import Decision, Params, clamp_knob, describe_changes
-from policies.gen_load import bet_measure, chunk_binds, chunk_size, falling, is_queueing, keep_up_tokens, ms, prefill_per_step, rates, ready_workers, rising
+from policies.gen_load import (bet_measure, chunk_binds, chunk_size, falling, is_queueing, keep_up_tokens, ms, prefill_per_step, rates, ready_workers,
+                               refused_share, rising)
 
+REFUSED_LATE = 0.01
+"""A share of the window's requests refused (429) above this counts as TTFT over: what a p99 objective lets be late."""
 KEEP_UP_MARGIN = 2.0
 """A chunk this many times what keeps prefill up with the arrivals: what TTFT grows a chunk to when
 prompts wait (the backlog drains too), and, with ttft_first, the least ITL may cut it to."""
@@ -155,7 +161,11 @@ class GeneratePolicy:
         ttft_p99 = ttft.p99 if ttft is not None and ttft.count >= p.min_requests else None
         tail, tail_name = self._itl_tail(observation)
         state = f"TTFT p99 {ms(ttft_p99)} of {ms(p.ttft_p99_seconds)}, {tail_name} {ms(tail)} of {ms(p.itl_p99_seconds)}"
-        ttft_over = ttft_p99 is not None and ttft_p99 > p.ttft_p99_seconds
+        refused = refused_share(observation)
+        if refused:
+            state += f", {refused:.0%} refused"
+        # A p99 objective lets 1 % be late; more refused than that is TTFT over, however fast the rest were.
+        ttft_over = (ttft_p99 is not None and ttft_p99 > p.ttft_p99_seconds) or refused > REFUSED_LATE
         # Too few first tokens to judge TTFT (a slow, queued engine makes few): a queue says the same.
         # Arrivals outrunning completions say it before TTFT does: the first tokens of a burst's late
         # arrivals are not made yet (live, ITL's cuts at a burst's start put TTFT over a window later).
@@ -190,7 +200,7 @@ class GeneratePolicy:
     def _calm(self, observation: Observation, tail: float, ttft_p99: float | None) -> bool:
         """Both objectives met with headroom, nothing queued, requests not arriving faster than they finish."""
         p = self.params
-        if is_queueing(observation) or rising(observation) or tail > p.headroom * p.itl_p99_seconds:
+        if is_queueing(observation) or rising(observation) or refused_share(observation) or tail > p.headroom * p.itl_p99_seconds:
             return False
         return ttft_p99 is None or ttft_p99 <= p.headroom * p.ttft_p99_seconds
 

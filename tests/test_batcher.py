@@ -110,3 +110,31 @@ def test_scheduler_sends_generation_sequences_up_to_max_batch_size_per_worker():
     dispatched = s.schedule(now=0.0)  # no batch timeout for sequences
     assert [len(d.batch.items) for d in dispatched] == [1, 1, 1]
     assert s.queue_depth() == 2
+
+
+def test_queue_timeout_sheds_what_waited_its_limit_and_wakes_the_core_for_it():
+    s = Scheduler("generate", Knobs(max_batch_size=1), queue_timeout=2.0)
+    s.router.add(0)
+    s.router.mark_ready(0)
+    for i, arrival in enumerate((0.0, 0.5, 1.0, 3.0)):
+        s.submit(item(i, 3, arrival))
+    assert [d.batch.items[0].request_id for d in s.schedule(now=0.0)] == [0]
+    assert s.next_wakeup() == 2.5  # the worker is full, but the oldest waiting item reaches its limit then
+    assert s.shed(now=2.4) == []
+    assert [x.request_id for x in s.shed(now=2.5)] == [1]  # at the limit exactly: shed
+    s.router.complete(0, 0)
+    assert [x.request_id for x in s.shed(now=3.2)] == [2]  # shed even though the worker has room now
+    assert [d.batch.items[0].request_id for d in s.schedule(now=3.2)] == [3]
+    assert s.queue_depth() == 0 and s.shed(now=100.0) == []
+    off = Scheduler("generate", Knobs(max_batch_size=1))
+    off.submit(item(0, 3, arrival=0.0))
+    assert off.shed(now=1e9) == [] and off.next_wakeup() is None  # no worker, no limit: nothing to wake for
+
+
+def test_expire_takes_every_item_at_or_past_the_limit_and_keeps_the_order_of_the_rest():
+    b = Batcher(max_batch_size=8, batch_timeout=1.0)
+    for i, arrival in enumerate((1.0, 0.9, 2.0, 1.5)):  # 0.9 was submitted after 1.0 (a faster tokenization)
+        b.add(item(i, 4, arrival))
+    assert b.expire(before=0.95) == []  # the head is younger: nothing is looked at
+    assert [x.request_id for x in b.expire(before=1.5)] == [0, 1, 3]
+    assert len(b) == 1 and b.oldest_arrival() == 2.0

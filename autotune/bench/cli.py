@@ -64,6 +64,8 @@ def register(subparsers) -> None:
     b.add_argument("--step-seconds", type=float, help="length of one rate step (default: embed 6 quick / 12, generate 15 quick / 30; generate: the limit's cells with prefill run 2/3 of it)")
     g = b.add_argument_group("generate", "with --task generate")
     g.add_argument("--ttft-slo", type=float, default=2.0, help="time-to-first-token p99 objective, seconds")
+    g.add_argument("--queue-timeout", type=float, metavar="SECONDS", help="every server's limits.queue_timeout_seconds: a request "
+                   "still waiting for a worker after this is refused (429) and never runs (default: off)")
     g.add_argument("--itl-slo", type=float, default=0.25, help="inter-token latency p99 objective, seconds")
     g.add_argument("--max-output-tokens", type=int, help="output lengths clipped to this (default 64 quick / 128)")
     g.add_argument("--max-prompt-tokens", type=int, help="prompt lengths clipped to this and to the model's context (default 256 quick / 512)")

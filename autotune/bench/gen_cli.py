@@ -14,6 +14,7 @@ bench.json, generation-curves.png, requests.csv, the autotuned runs' timelines a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -104,7 +105,7 @@ def _parse(args, cores: int):
 
     for flag, value in (("--ttft-slo", args.ttft_slo), ("--itl-slo", args.itl_slo), ("--step-seconds", args.step_seconds),
                         ("--max-output-tokens", args.max_output_tokens), ("--max-prompt-tokens", args.max_prompt_tokens),
-                        ("--start-rate", args.start_rate)):
+                        ("--start-rate", args.start_rate), ("--queue-timeout", args.queue_timeout)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag}: {value!r} must be a positive number")
     workload = None
@@ -115,7 +116,7 @@ def _parse(args, cores: int):
         if not workload:
             raise ValueError(f"--workload: {args.workload!r} makes no arrivals")
     names = split_modes(args.modes)
-    modes = {n: mode(n, cores) for n in names if n != "oracle"}
+    modes = {n: _mode(args, n, cores) for n in names if n != "oracle"}
     grid = parse_grid(args.grid, cores) if args.grid else None
     if not os.path.exists(gen_inputs.locate(args.trace)):
         raise ValueError(f"--trace: {args.trace!r} not found (a CSV with ContextTokens and GeneratedTokens columns, e.g. the Azure LLM trace)")
@@ -199,6 +200,11 @@ def _run_external(url: str, plan: GenPlan, body, writer, logs: dict, say, worklo
     return result
 
 
+def _mode(args, name: str, cores: int) -> Mode:
+    """The mode `name`, its server with --queue-timeout."""
+    return dataclasses.replace(mode(name, cores), queue_timeout=args.queue_timeout)
+
+
 def _run_modes(args, names, modes, grid, cores, model, plan: GenPlan, body, writer, logs: dict, say,
                workload: list[float] | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Each mode on its own server, one after another; the oracle sweeps the static grid first.
@@ -208,15 +214,15 @@ def _run_modes(args, names, modes, grid, cores, model, plan: GenPlan, body, writ
     if workload is not None and (grid or "oracle" in names):
         statics = [f"static:{_knob_text(k)}" for k in grid or generation_candidates(cores, args.quick)]
         names = [n for n in names if n != "oracle"] + [n for n in statics if n not in names]
-        modes.update({n: mode(n, cores) for n in statics})
+        modes.update({n: _mode(args, n, cores) for n in statics})
     with tempfile.TemporaryDirectory() as workdir:
         for name in names:
             if name == "oracle":
                 fixed = [r.max_qps for r in results if r.max_qps]
                 probe = 1.1 * max(fixed) if fixed else 2 * plan.ladder.start
                 candidates = grid or generation_candidates(cores, args.quick)
-                best, oracle_rows = gen_oracle_sweep(candidates, model, probe, plan.step_seconds, plan, body, say)
-                m = Mode("oracle", best, description="best of the static sweep: " + describe(best))
+                best, oracle_rows = gen_oracle_sweep(candidates, model, probe, plan.step_seconds, plan, body, say, args.queue_timeout)
+                m = Mode("oracle", best, description="best of the static sweep: " + describe(best), queue_timeout=args.queue_timeout)
             else:
                 m = modes[name]
             result, log = run_gen_mode(m, model, workdir, say, plan, body, writer, args.policy, workload)

@@ -174,11 +174,12 @@ def run_gen_mode(mode: Mode, model: str, workdir: str, say: Say, plan: GenPlan, 
     return result, log
 
 
-def gen_oracle_sweep(candidates: list[Knobs], model: str, probe_rate: float, probe_seconds: float, plan: GenPlan, body: Body, say: Say) -> tuple[Knobs, list[dict]]:
+def gen_oracle_sweep(candidates: list[Knobs], model: str, probe_rate: float, probe_seconds: float, plan: GenPlan, body: Body, say: Say,
+                     queue_timeout: float | None = None) -> tuple[Knobs, list[dict]]:
     """Each static candidate at one rate near capacity on one server (knobs set through the
     admin API); the best is the one with the most headroom there: no failure, then the lowest
     of max(TTFT p99 / objective, ITL p99 / objective)."""
-    probe = Mode("oracle-sweep", candidates[0], allow_oversubscription=True)
+    probe = Mode("oracle-sweep", candidates[0], allow_oversubscription=True, queue_timeout=queue_timeout)
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         server = start_server(probe, model, workdir, task="generate")

@@ -48,6 +48,8 @@ class Mode:
     shipped_batch_tokens: bool = False
     """Its server keeps the shipped `max_batch_tokens: auto` (generation on a CPU: measured at
     start-up) instead of knobs.max_batch_tokens."""
+    queue_timeout: float | None = None
+    """limits.queue_timeout_seconds for its server (`selftune bench --queue-timeout`); None: off."""
 
     def server_config(self, model: str, policy: str | None = None, task: str = "embed") -> dict:
         """The `selftune serve` config for this mode (`task` generate: max_batch_size is running sequences per worker)."""
@@ -60,6 +62,8 @@ class Mode:
             # the static modes keep exactly these knobs, oversubscribed or not
             "bounds": {"process_count": {"min": 1, "max": 64}, "threads_per_process": {"min": 1, "max": 64}},
         }
+        if self.queue_timeout is not None:
+            config["limits"] = {"queue_timeout_seconds": self.queue_timeout}
         if policy is not None and self.autotune:
             config["autotune"]["policy"] = policy
         return config

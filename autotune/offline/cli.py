@@ -119,6 +119,8 @@ def _sim_arguments(parser) -> None:
     parser.add_argument("--max-inflight-batches", type=int, default=INFLIGHT_BATCHES)
     parser.add_argument("--startup-seconds", type=float, default=1.0)
     parser.add_argument("--max-queued-requests", type=int, default=512)
+    parser.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
+                        help="limits.queue_timeout_seconds: refuse (429) a request still waiting for a worker after this (default: off)")
     parser.add_argument("--interval", type=float, default=2.0, help="controller interval (autotune.interval_seconds)")
     parser.add_argument("--cooldown", type=float, default=4.0, help="controller cooldown (autotune.cooldown_seconds)")
     parser.add_argument("--speed-noise", type=float, default=None, help="generate: the machine's speed wanders, every step's time x exp(x), x of this standard deviation (default 0: none)")
@@ -143,6 +145,7 @@ def sim_config(args, slo: float, knobs: Knobs | None = None, serving: dict | Non
         max_inflight_batches=args.max_inflight_batches,
         startup_seconds=args.startup_seconds,
         max_queued_requests=args.max_queued_requests,
+        queue_timeout=args.queue_timeout,
         control_interval=args.interval,
         cooldown_seconds=args.cooldown,
         **extra,
@@ -306,7 +309,7 @@ def _tune_problem(args, config: dict, spec: dict):
     objective = args.objective or config.get("objective", "goodput")
     search = config.get("search", {}) or {}
     sim = config.get("simulator", {}) or {}
-    defaults = argparse.Namespace(knobs="", ttft=2.0, itl=0.25, cores=None, max_inflight_batches=INFLIGHT_BATCHES, startup_seconds=1.0, max_queued_requests=512, interval=2.0, cooldown=4.0)
+    defaults = argparse.Namespace(knobs="", ttft=2.0, itl=0.25, cores=None, max_inflight_batches=INFLIGHT_BATCHES, startup_seconds=1.0, max_queued_requests=512, queue_timeout=None, interval=2.0, cooldown=4.0)
     for key, value in sim.items():
         if not hasattr(defaults, key) or key in ("knobs", "ttft", "itl"):
             raise SystemExit(f"{args.config}: simulator.{key}: unknown; allowed: {', '.join(k for k in vars(defaults) if k not in ('knobs', 'ttft', 'itl'))}")

@@ -54,7 +54,8 @@ def gen_sim_config(args, knobs: Knobs | None = None, **extra):
         knobs=knobs if knobs is not None else parse_knobs(args.knobs or GEN_KNOBS),
         cores=args.cores or len(os.sched_getaffinity(0)),
         ttft_seconds=args.ttft, itl_seconds=args.itl, startup_seconds=args.startup_seconds,
-        max_queued_requests=args.max_queued_requests, control_interval=args.interval, cooldown_seconds=args.cooldown,
+        max_queued_requests=args.max_queued_requests, queue_timeout=args.queue_timeout,
+        control_interval=args.interval, cooldown_seconds=args.cooldown,
         **{key: getattr(args, key) for key in SIM_NOISE if getattr(args, key, None) is not None}, **extra,
     )
 
@@ -83,7 +84,7 @@ def run_gen_simulate(args) -> int:
     ttft, itl = summary["ttft_seconds"], summary["itl_seconds"]
     say(f"{summary['requests']} generations over {summary['duration_seconds']:.0f} s simulated in {summary['wall_seconds']:.2f} s ({args.policy})")
     say(f"  goodput {summary['goodput']:.3f}/s within TTFT {args.ttft} s and ITL {args.itl} s ({summary['slo_attainment']:.1%})   "
-        f"{summary['output_tokens_per_s']:.1f} output tokens/s   rejected {summary['rejected']}   preemptions {summary['preemptions']}")
+        f"{summary['output_tokens_per_s']:.1f} output tokens/s   rejected {summary['rejected']} (shed {summary['shed']})   preemptions {summary['preemptions']}")
     say(f"  TTFT p50 {ttft['p50']:.3f} p99 {ttft['p99']:.3f} s   ITL p50 {itl['p50']:.3f} p99 {itl['p99']:.3f} s   "
         f"knob changes {summary['changes']}   final {summary['final_knobs']}")
     if args.out:

@@ -153,6 +153,8 @@ class GenSimResult:
     preemptions: int
     core_seconds: float
     end_time: float
+    shed: int = 0
+    """Of the rejected, those refused after waiting the queue limit (the rest: the admission limit)."""
 
     def summary(self) -> dict:
         """Goodput within both objectives, TTFT / ITL / end-to-end percentiles, knobs; the keys the tuner scores."""
@@ -163,7 +165,7 @@ class GenSimResult:
         duration = max(float(self.arrival[-1]) if len(self.arrival) else 0.0, 1e-9)
         e2e = (self.done - self.arrival)[ok]
         return {
-            "requests": int(len(self.arrival)), "completed": int(ok.sum()), "rejected": int(self.rejected.sum()),
+            "requests": int(len(self.arrival)), "completed": int(ok.sum()), "rejected": int(self.rejected.sum()), "shed": self.shed,
             "duration_seconds": round(duration, 3), "throughput": float(ok.sum()) / duration,
             "output_tokens_per_s": self.output_tokens / max(self.end_time, 1e-9),
             "goodput": good / duration, "slo_attainment": good / len(self.arrival) if len(self.arrival) else 1.0,
@@ -240,7 +242,7 @@ class GenSimulation(SimLoop):
     def __init__(self, arrivals, cost_model: GenCostModel, config: GenSimConfig = GenSimConfig(), policy=None):
         super().__init__(config, policy)
         self.cost = cost_model
-        self.scheduler = Scheduler("generate", config.knobs)
+        self.scheduler = Scheduler("generate", config.knobs, queue_timeout=config.queue_timeout)
         self.sampler = GenSimSampler(self) if policy is not None else None
         self.output_tokens = 0
         self.ceiling = kv_token_slots(config.kv_cache_mib, cost_model.kv_values_per_token, "float32")
@@ -266,7 +268,7 @@ class GenSimulation(SimLoop):
         return GenSimResult(
             self.config, self.arrival, self.first, self.done, gap, np.array(self.itls), self.rejected, self.output_tokens,
             self.knob_changes, self.decisions, self.controller.calls if self.controller else 0,
-            self._gone_preemptions + sum(w.preemptions for w in self.workers.values()), self.core_seconds, now,
+            self._gone_preemptions + sum(w.preemptions for w in self.workers.values()), self.core_seconds, now, self.counters.shed,
         )
 
     def _new_worker(self, worker_id: int) -> GenWorker:
@@ -281,6 +283,10 @@ class GenSimulation(SimLoop):
 
     def _on_arrival(self, i: int, now: float) -> None:
         self._admit(i, int(self.prompt[i]), now)
+
+    def _on_shed(self, request_id: int, now: float) -> None:
+        if self.sampler is not None:  # as engine/generate_jobs.py records a shed request's wait
+            self.sampler.recent["ttft"].append((now, now - self.arrival[request_id]))
 
     def _dispatch(self, now: float) -> None:
         for dispatch in self.scheduler.schedule(now):

@@ -29,6 +29,8 @@ class LoopConfig:
     """Fork + warm-up time before a new worker takes traffic."""
     max_queued_requests: int = 512
     """Admission limit (limits.max_queued_requests): arrivals beyond it are rejected, as with a 429."""
+    queue_timeout: float | None = None
+    """limits.queue_timeout_seconds: a request still queued for a worker after this is refused (a 429)."""
     sample_interval: float = 1.0
     """monitors.interval_seconds: how often an Observation is taken."""
     window_seconds: float = 10.0
@@ -91,6 +93,7 @@ class SimLoop:
                     continue
                 self._handle(kind, data, now)
             self._reconcile(now)
+            self._shed(now)
             self._dispatch(now)
 
     def _push(self, t: float, kind: int, data) -> None:
@@ -117,6 +120,19 @@ class SimLoop:
         self.pending += 1
         self.counters.requests += 1
         self.scheduler.submit(Item(i, 0, length, now))
+
+    def _shed(self, now: float) -> None:
+        """Refuse what waited its queue limit, as EngineCore's turn does before it dispatches (here
+        at the next event rather than at the limit itself: nothing is dispatched in between)."""
+        for item in self.scheduler.shed(now):
+            self.rejected[item.request_id] = True
+            self.rejected_count += 1
+            self.counters.shed += 1
+            self.pending -= 1
+            self._on_shed(item.request_id, now)
+
+    def _on_shed(self, request_id: int, now: float) -> None:
+        """A request was shed (a subclass records what the live engine records)."""
 
     def _reconcile(self, now: float) -> None:
         """Carry out the scheduler's plan as EngineCore's supervisor does: start, stop (drains

@@ -188,7 +188,7 @@ class Simulation(SimLoop):
         super().__init__(config, policy)
         self.arrivals = arrivals
         self.cost = cost_model
-        self.scheduler = Scheduler("embed", config.knobs, config.max_inflight_batches)
+        self.scheduler = Scheduler("embed", config.knobs, config.max_inflight_batches, config.queue_timeout)
         self.sampler = SimSampler(self) if policy is not None else None
         self._wakes: set[float] = set()
         self._busy = 0

@@ -164,7 +164,14 @@ async def generate(request: Request, state: ServerState, body: SamplingFields, p
         finally:
             ticket.release()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_sse(state, completion, events, include_usage, ticket), media_type="text/event-stream", headers=headers)
+    deadline = time.monotonic() + state.limits.request_timeout
+    try:
+        first = await _first_event(request, state, events, deadline)
+    except BaseException:  # an error status, or this task cancelled: no stream will release the ticket
+        _cancel(state, completion)
+        ticket.release()
+        raise
+    return StreamingResponse(_sse(state, completion, events, include_usage, ticket, first, deadline), media_type="text/event-stream", headers=headers)
 
 
 def _cancel(state: ServerState, completion: Completion) -> None:
@@ -199,18 +206,39 @@ def _timeout(state: ServerState) -> APIError:
     return APIError(504, f"the request did not finish within {state.limits.request_timeout:g}s", "timeout_error", code="timeout")
 
 
+async def _event_or_hang_up(events: asyncio.Queue, deadline: float, watcher: asyncio.Future):
+    """The next event, or 499 if the client went away first."""
+    getter = asyncio.ensure_future(_next_event(events, deadline))
+    done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if watcher in done:
+        getter.cancel()
+        raise APIError(499, "client closed the request")
+    return getter.result()
+
+
+async def _first_event(request: Request, state: ServerState, events: asyncio.Queue, deadline: float):
+    """A stream's first event, awaited before the response starts: a request that ends before its
+    first token (shed after its queue limit, timed out, failed) gets its own HTTP status (429,
+    504, 5xx) instead of a 200 whose stream carries the error."""
+    watcher = asyncio.ensure_future(until_disconnect(request.receive))
+    try:
+        index, event = await _event_or_hang_up(events, deadline, watcher)
+    except asyncio.TimeoutError:
+        raise _timeout(state) from None
+    finally:
+        watcher.cancel()
+    if isinstance(event, EngineError):
+        raise as_api_error(event)
+    return index, event
+
+
 async def _whole(request: Request, state: ServerState, completion: Completion, events: asyncio.Queue, headers: dict):
     deadline = time.monotonic() + state.limits.request_timeout
     watcher = asyncio.ensure_future(until_disconnect(request.receive))
     texts = [[] for _ in completion.choices]
     try:
         while not completion.done:
-            getter = asyncio.ensure_future(_next_event(events, deadline))
-            done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if watcher in done:
-                getter.cancel()
-                raise APIError(499, "client closed the request")
-            choice, text, _ = _feed(state, completion, *getter.result())
+            choice, text, _ = _feed(state, completion, *await _event_or_hang_up(events, deadline, watcher))
             texts[choice.index].append(text)
     except asyncio.TimeoutError:
         raise _timeout(state) from None
@@ -222,15 +250,16 @@ async def _whole(request: Request, state: ServerState, completion: Completion, e
     return JSONResponse(completion.whole(["".join(t) for t in texts]), headers=headers)
 
 
-async def _sse(state: ServerState, completion: Completion, events: asyncio.Queue, include_usage: bool, ticket: Ticket):
-    """Server-sent events; if the client goes away, Starlette cancels this and the work stops."""
-    deadline = time.monotonic() + state.limits.request_timeout
+async def _sse(state: ServerState, completion: Completion, events: asyncio.Queue, include_usage: bool, ticket: Ticket, first, deadline: float):
+    """Server-sent events, `first` (already taken off `events`) first; if the client goes away,
+    Starlette cancels this and the work stops."""
     try:
         if completion.chat:
             for choice in completion.choices:
                 yield _event(completion.chunk(choice, None, first=True))
         while not completion.done:
-            choice, text, ended = _feed(state, completion, *await _next_event(events, deadline))
+            event, first = first or await _next_event(events, deadline), None
+            choice, text, ended = _feed(state, completion, *event)
             if text:
                 yield _event(completion.chunk(choice, text))
             if ended:

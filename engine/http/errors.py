@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import KnobError
-from engine.jobs import EngineClosed, InputTooLong, ModelFailed, WorkerLost
+from engine.jobs import EngineClosed, InputTooLong, ModelFailed, QueueTimeout, WorkerLost
 
 
 class APIError(Exception):
@@ -46,6 +46,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(422, str(exc))
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
+    if isinstance(exc, QueueTimeout):
+        return APIError(429, str(exc), "rate_limit_error", code="queue_timeout", headers={"Retry-After": "1"})
     if isinstance(exc, (EngineClosed, WorkerLost)):
         return APIError(503, str(exc), "service_unavailable", code=type(exc).__name__)
     if isinstance(exc, ModelFailed):

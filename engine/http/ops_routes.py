@@ -74,6 +74,7 @@ async def stats(request: Request):
         "in_flight": state.admission.current,
         "rejected": state.admission.rejected,
         "timed_out": state.timed_out,
+        "queue_timeout_seconds": engine.config.queue_timeout,
         "draining": state.draining,
     }
     snapshot["observation"] = state.observe() if state.observe is not None else None
