@@ -201,8 +201,11 @@ def _run_external(url: str, plan: GenPlan, body, writer, logs: dict, say, worklo
 
 
 def _mode(args, name: str, cores: int) -> Mode:
-    """The mode `name`, its server with --queue-timeout."""
-    return dataclasses.replace(mode(name, cores), queue_timeout=args.queue_timeout)
+    """The mode `name`, its server with --queue-timeout (which the table's configuration names)."""
+    m = mode(name, cores)
+    if args.queue_timeout is None:
+        return m
+    return dataclasses.replace(m, queue_timeout=args.queue_timeout, description=f"{m.description}; queue limit {args.queue_timeout:g} s")
 
 
 def _run_modes(args, names, modes, grid, cores, model, plan: GenPlan, body, writer, logs: dict, say,
