@@ -32,13 +32,11 @@ class Telemetry:
 
     def reading(self) -> EngineReading:
         state = self.state
-        stats = self.engine.stats()
         return EngineReading(
-            stats=stats,
+            stats=self.engine.stats(),
             latency=self.engine.latency.snapshot(),
             upper_bounds=LatencyHistograms.upper_bounds(),
-            # refused with a 429: at admission (the server full) or after the queue limit (shed)
-            rejected=(state.admission.rejected if state else 0) + stats.counters.shed,
+            rejected=state.admission.rejected if state else 0,
             timed_out=state.timed_out if state else 0,
         )
 

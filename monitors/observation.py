@@ -51,8 +51,10 @@ class Load:
     """Requests per second admitted to the engine."""
     completion_rate: float = 0.0
     rejected_rate: float = 0.0
-    """Requests per second answered 429: admission full, or shed after their queue limit
-    (limits.queue_timeout_seconds; those were admitted, and count in arrival_rate too)."""
+    """Requests per second answered 429 (admission full)."""
+    shed_rate: float = 0.0
+    """Requests per second admitted (in arrival_rate) and then refused, a 429, after waiting
+    limits.queue_timeout_seconds for a worker."""
     timed_out_rate: float = 0.0
     failed_rate: float = 0.0
     queue_depth: int = 0

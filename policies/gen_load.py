@@ -95,8 +95,8 @@ def refused_share(observation: Observation) -> float:
     limits.queue_timeout_seconds): each one missed its first token for good, whatever TTFT the
     served ones had (a queue limit short of the objective keeps those on time)."""
     load = observation.load
-    offered = load.arrival_rate + load.rejected_rate
-    return load.rejected_rate / offered if offered > 0 else 0.0
+    offered = load.arrival_rate + load.rejected_rate  # a shed request was admitted: in arrival_rate already
+    return (load.rejected_rate + load.shed_rate) / offered if offered > 0 else 0.0
 
 
 def is_queueing(observation: Observation) -> bool:

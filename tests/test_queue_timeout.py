@@ -61,7 +61,9 @@ def test_a_generation_that_waits_its_limit_is_refused_with_429_streamed_or_not(s
     stats = _stats(server)
     assert stats["counters"]["shed"] == 2 and stats["server"]["queue_timeout_seconds"] == 1.0
     assert stats["pending_requests"] == 0 and stats["server"]["in_flight"] == 0
-    assert 'selftune_requests_total{outcome="shed"} 2.0' in httpx.get(server.url + "/metrics", timeout=10).text
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'selftune_requests_total{outcome="shed"} 2.0' in metrics
+    assert 'selftune_requests_total{outcome="rejected"} 0.0' in metrics  # the admission's 429s only: a shed request is counted once
     again = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=30)
     assert again.status_code == 200 and again.text.rstrip().endswith("data: [DONE]")
 

@@ -126,8 +126,7 @@ class SimLoop:
         at the next event rather than at the limit itself: nothing is dispatched in between)."""
         for item in self.scheduler.shed(now):
             self.rejected[item.request_id] = True
-            self.rejected_count += 1
-            self.counters.shed += 1
+            self.counters.shed += 1  # rejected_count stays the admission's, as the live HTTP layer counts it
             self.pending -= 1
             self._on_shed(item.request_id, now)
 
