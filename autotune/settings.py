@@ -106,6 +106,7 @@ class LimitsSection(Section):
     max_queued_tokens: Annotated[int, Field(ge=1)] | None = 200_000
     request_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
     queue_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] | None = None
+    retry_after_seconds: Annotated[int, Field(ge=0, le=3600)] = 1
     default_max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 16
 
 
@@ -262,6 +263,7 @@ class ServerConfig(Section):
             max_queued_tokens=lim.max_queued_tokens,
             request_timeout=lim.request_timeout_seconds,
             default_max_tokens=lim.default_max_tokens,
+            retry_after_seconds=lim.retry_after_seconds,
         )
 
 

@@ -27,7 +27,7 @@ def server(tmp_path_factory, tiny_causal_lm):
         # one running sequence on one worker, knobs held: the second request waits in the front's queue
         "concurrency": {"process_count": 1, "threads_per_process": 1, "max_batch_size": 1},
         "autotune": {"enabled": False},
-        "limits": {"queue_timeout_seconds": 1.0, "request_timeout_seconds": 30},
+        "limits": {"queue_timeout_seconds": 1.0, "request_timeout_seconds": 30, "retry_after_seconds": 3},
     }
     srv = ServerProcess(tmp_path_factory.mktemp("queue-timeout"), config, ready_timeout=120)
     yield srv
@@ -52,7 +52,7 @@ def test_a_generation_that_waits_its_limit_is_refused_with_429_streamed_or_not(s
             client.completions.create(model="tiny", prompt="four five", max_tokens=5, stream=True)
         assert refused.value.body["code"] == "queue_timeout"
         whole = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
-        assert whole.status_code == 429 and whole.headers["retry-after"]
+        assert whole.status_code == 429 and whole.headers["retry-after"] == "3"  # limits.retry_after_seconds, as the admission's 429
         assert "queue_timeout_seconds" in whole.json()["error"]["message"]
     finally:
         os.kill(worker, signal.SIGCONT)

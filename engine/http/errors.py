@@ -32,8 +32,10 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
-def api_error_response(exc: APIError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+def api_error_response(exc: APIError, retry_after_seconds: int) -> JSONResponse:
+    """The error's response; a 429 (admission full, or shed from the queue) says when to come back."""
+    headers = {"Retry-After": str(retry_after_seconds), **(exc.headers or {})} if exc.status == 429 else exc.headers
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, headers)
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -47,7 +49,7 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     if isinstance(exc, QueueTimeout):
-        return APIError(429, str(exc), "rate_limit_error", code="queue_timeout", headers={"Retry-After": "1"})
+        return APIError(429, str(exc), "rate_limit_error", code="queue_timeout")  # Retry-After: the handler's
     if isinstance(exc, (EngineClosed, WorkerLost)):
         return APIError(503, str(exc), "service_unavailable", code=type(exc).__name__)
     if isinstance(exc, ModelFailed):
@@ -69,7 +71,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install(app) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return api_error_response(exc)
+        return api_error_response(exc, request.app.state.selftune.limits.retry_after_seconds)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

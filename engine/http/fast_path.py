@@ -41,7 +41,7 @@ class EmbeddingsFastPath:
         try:
             response = await embeddings(self.state, request, receive)
         except APIError as exc:
-            response = api_error_response(exc)
+            response = api_error_response(exc, self.state.limits.retry_after_seconds)
         await response(scope, receive, send)
 
 

@@ -100,7 +100,6 @@ def admit(state: ServerState, tokens: int = 0) -> Ticket:
             f"the server is full ({what} in flight); retry shortly",
             "rate_limit_error",
             code="overloaded",
-            headers={"Retry-After": str(state.limits.retry_after_seconds)},
         )
     return ticket
 
