@@ -49,8 +49,10 @@ TTFT under it while the refused ones miss it for good.
    prompts wait inside the workers for more prefill than one chunk holds (a mean prompt each),
    larger prefill chunks (× 2: fewer weight reads per prompt token; with `ttft_first`, at least
    twice what keeps up with the arrivals); when sequences queue (in the front or in a worker) and batches are full, a larger batch (+
-   `growth_step`; continuous batching makes more tokens per second at a larger batch), else one
-   more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
+   `growth_step`; continuous batching makes more tokens per second at a larger batch while a step's
+   cost is mostly its weight reads, not once the rows fill the cores: a bet, kept if the busy cores
+   per output token fell by `min_rows_gain` of 1 - rows before / rows after, undone without a
+   verdict if the load no longer fills it), else one more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
    prefill: a larger max_batch_tokens (fewer steps per prompt). Without ITL headroom capacity is
    short: with sequences queued and more than one thread per worker, one more worker, else hold
    and say so. One more worker that takes threads from the others is a bet too (fewer threads
@@ -69,7 +71,6 @@ it to the usable cores). Only the knobs named here change; batch_timeout and io_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Literal
 
 from pydantic import Field
@@ -77,7 +78,8 @@ from pydantic import Field
 from engine.config import Bounds, Knobs
 from monitors.observation import Observation
 from policies.base import Decision, Params, clamp_knob, describe_changes
-from policies.gen_load import (bet_measure, chunk_binds, chunk_size, falling, is_queueing, keep_up_tokens, ms, prefill_per_step, rates, ready_workers,
+from policies.gen_bet import Bets
+from policies.gen_load import (chunk_binds, chunk_size, falling, is_queueing, keep_up_tokens, ms, prefill_per_step, rates, ready_workers,
                                refused_share, rising)
 
 REFUSED_LATE = 0.01
@@ -114,8 +116,11 @@ class GenerateParams(Params):
     """Hold this long after a change, so the window measures the new knobs (one sampler window)."""
     min_layout_gain: float = Field(0.1, ge=0, lt=1)
     """A layout bet stays only if ITL p50 (more threads) or the busy cores per output token (more workers) then fall by this share."""
+    min_rows_gain: float = Field(0.25, ge=0, le=1)
+    """A larger batch stays only if the busy cores per output token then fall by this share of
+    1 - rows before / rows after (what they would fall by if a step cost the same whatever its rows)."""
     retry_seconds: float = Field(300.0, ge=0)
-    """How long a layout bet that did not pay is not made again."""
+    """How long a bet (a layout, a larger batch) that did not pay is not made again."""
     mean_headroom: float = Field(0.8, gt=0, le=1)
     """With ttft_first and sequences queued, grow for TTFT while the mean inter-token gap <= this × the ITL objective."""
     ttft_first: bool = True
@@ -132,9 +137,7 @@ class GeneratePolicy:
         self.params = params if params is not None else GenerateParams()
         self.name = self.kind
         self._changed_at: float | None = None
-        self._bet: _LayoutBet | None = None
-        """The last layout move, until judged."""
-        self._no_bet_until = {"threads": float("-inf"), "workers": float("-inf")}
+        self._bets = Bets(self.params.min_layout_gain, self.params.min_rows_gain, self.params.retry_seconds)
         self._cut: tuple[int, int] | None = None
         """(from, to) of max_batch_tokens when the last change was ITL cutting the chunk."""
         self._chunk_floor: tuple[int, float] | None = None
@@ -150,8 +153,7 @@ class GeneratePolicy:
 
     def decide(self, observation: Observation, knobs: Knobs, bounds: Bounds) -> Decision:
         p = self.params
-        if self._bet is not None and self._bet.settled is None:
-            self._bet = replace(self._bet, settled=observation.time)
+        self._bets.settle(observation.time)
         itl = observation.load.latency.get("itl")
         if itl is None or itl.count < p.min_tokens or itl.p99 is None:
             return Decision(knobs, f"{itl.count if itl else 0} of {p.min_tokens} inter-token latencies in the window: holding")
@@ -309,46 +311,27 @@ class GeneratePolicy:
 
     def _bet_on_layout(self, observation: Observation, knobs: Knobs, bounds: Bounds, kind: str, metric: str, why: str) -> tuple[Knobs, str]:
         """A layout move whose gain depends on the CPU and the model: made, then judged on `metric`
-        ("itl": ITL p50 must fall, "cost": busy core-seconds per output token must fall) by _judge_bet."""
-        if observation.time < self._no_bet_until[kind]:
-            return knobs, f"{why} did not pay last time ({self._no_bet_until[kind] - observation.time:.0f} s before trying again): holding"
+        ("itl": ITL p50 must fall, "cost": busy core-seconds per output token must fall)."""
+        if blocked := self._bets.blocked(kind, observation.time):
+            return knobs, f"{why} {blocked}: holding"
         moved = self._layout(knobs, bounds, knobs.process_count + (1 if kind == "workers" else -1))
         if moved.threads_per_process == knobs.threads_per_process:
             # More workers on cores that were idle: no bet. Fewer workers with no more threads each: no gain.
             return (moved, why) if kind == "workers" else (knobs, f"{why}: no more threads to give it, holding")
-        measure = bet_measure(observation, metric, knobs)
-        if moved != knobs and measure is not None:
-            self._bet = _LayoutBet(kind, metric, knobs, moved, measure)
+        self._bets.make(observation, kind, metric, knobs, moved)
         return moved, why
 
     def _judge_bet(self, observation: Observation, knobs: Knobs, ttft_over: bool, tail: float) -> tuple[Knobs, str] | None:
-        """After a layout move: keep it if its metric moved the right way by min_layout_gain, or if
-        what it was made for holds now, else go back. A bet on more workers was made for capacity:
-        it stays when nothing queues and TTFT is not over (the offered load may have fallen too, which
-        a cost per token may not show at once). A bet for ITL stays when `tail` meets the ITL objective
-        (ITL p50 on fewer threads a step may stay above what it was: the live steady replay undid
-        1 × 2 -> 2 × 1 at an ITL p99 of 233 of 250 ms, its p50 98 against 64 ms measured at a lighter
-        load, and lost 11 % of goodput)."""
-        bet = self._bet
+        """A bet on more workers was made for capacity: it stays when nothing queues and TTFT is not
+        over (the offered load may have fallen too, which a cost per token may not show at once). A
+        bet for ITL stays when `tail` meets the ITL objective (ITL p50 on fewer threads a step may
+        stay above what it was: the live steady replay undid 1 × 2 -> 2 × 1 at an ITL p99 of 233 of
+        250 ms, its p50 98 against 64 ms measured at a lighter load, and lost 11 % of goodput)."""
+        bet = self._bets.open
         if bet is None:
             return None
-        if (knobs.process_count, knobs.threads_per_process) != (bet.moved.process_count, bet.moved.threads_per_process):
-            self._bet = None
-            return None  # something else changed the layout since: nothing to judge
-        if bet.settled is None or observation.time < bet.settled + observation.window_seconds:
-            return knobs, "a layout move is being judged: holding until a whole window is measured after it"
-        self._bet = None
-        gain, now = self.params.min_layout_gain, bet_measure(observation, bet.metric, knobs)
-        if now is None:
-            return None
         served = (not ttft_over and not is_queueing(observation)) if bet.metric == "cost" else tail <= self.params.itl_p99_seconds
-        if now <= (1 - gain) * bet.measure or served:
-            return None
-        self._no_bet_until[bet.kind] = observation.time + self.params.retry_seconds
-        back = knobs.replace(process_count=bet.before.process_count, threads_per_process=bet.before.threads_per_process)
-        shown = (f"ITL p50 {ms(now)}", ms(bet.measure)) if bet.metric == "itl" else (f"{now * 1000:.0f} core-ms per token", f"{bet.measure * 1000:.0f}")
-        return back, (f"{shown[0]} on {bet.moved.process_count} × {bet.moved.threads_per_process} against {shown[1]} before: "
-                      f"more {bet.kind} did not pay (by {gain:.0%}); back, not again for {self.params.retry_seconds:g} s")
+        return self._bets.judge(observation, knobs, served, self._batches_full(observation, knobs))
 
     def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, tail: float) -> tuple[Knobs, str]:
         p, itl = self.params, observation.load.latency["itl"]
@@ -375,8 +358,14 @@ class GeneratePolicy:
             return knobs.replace(max_batch_tokens=chunk), "TTFT over, prompts wait in the workers: larger prefill chunks" + self._floor_at(observation, chunk)
         full = self._batches_full(observation, knobs)
         if queueing and full and knobs.max_batch_size < bounds.max_batch_size[1]:
-            grown = clamp_knob(bounds, "max_batch_size", knobs.max_batch_size + self.params.growth_step)
-            return knobs.replace(max_batch_size=grown), "TTFT over, sequences queue behind full batches: a larger batch"
+            why = "TTFT over, sequences queue behind full batches: a larger batch"
+            # A bet too: more rows make more tokens a second only while a step's cost is mostly its
+            # weight reads; live, 16 -> 20 rows on two cores made none more and slowed every step.
+            if blocked := self._bets.blocked("rows", observation.time):
+                return knobs, f"{why} {blocked}: holding"
+            grown = knobs.replace(max_batch_size=clamp_knob(bounds, "max_batch_size", knobs.max_batch_size + self.params.growth_step))
+            self._bets.make(observation, "rows", "cost", knobs, grown)
+            return grown, why
         if queueing:
             return self._bet_on_layout(observation, knobs, bounds, "workers", "cost", "TTFT over, sequences queue: one more worker")
         grown = clamp_knob(bounds, "max_batch_tokens", chunk)
@@ -417,17 +406,3 @@ class GeneratePolicy:
         threads = clamp_knob(bounds, "threads_per_process", bounds.threads_per_process[1] // processes)
         return knobs.replace(process_count=processes, threads_per_process=threads)
 
-
-@dataclass(frozen=True, slots=True)
-class _LayoutBet:
-    kind: str
-    """"threads" (fewer workers, more threads each) or "workers" (more workers, fewer threads each)."""
-    metric: str
-    """What judges it: "itl" (ITL p50 must fall) or "cost" (busy core-seconds per output token must fall)."""
-    before: Knobs
-    moved: Knobs
-    measure: float
-    """The metric before the move."""
-    settled: float | None = None
-    """When the policy was first asked after the move: the controller asks nothing while workers
-    start or drain, so the layout stood from then on, and a window later it can be judged."""

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from engine.config import Bounds
+import dataclasses
+
+from engine.config import Bounds, Knobs
 from monitors.observation import BatchTimes, Latency, Load, Observation, WorkerObservation
 from policies.aimd import AimdParams, AimdPolicy
+from policies.generate import GenerateParams, GeneratePolicy
 from policies.threshold import ThresholdParams, ThresholdPolicy
 
 BOUNDS = Bounds()
+GEN_TWO_CORES = dataclasses.replace(Bounds(), process_count=(1, 2), threads_per_process=(1, 2))
+GEN_START = Knobs(process_count=2, threads_per_process=1, max_batch_size=16, max_batch_tokens=256, kv_tokens=0)
+
+
+def gen_decide(observation, knobs=GEN_START, **params):
+    """One decision of a fresh generate policy (GenerateParams from `params`) on two cores."""
+    return GeneratePolicy(GenerateParams(**params)).decide(observation, knobs, GEN_TWO_CORES)
 
 
 def obs(

@@ -3,8 +3,9 @@ prefill than a chunk holds, and no layout bet is made on a burst's draining back
 
 from __future__ import annotations
 
+from policy_helpers import GEN_START as START
+from policy_helpers import gen_decide as decide
 from policy_helpers import gen_obs
-from test_policy_generate import START, decide
 
 from policies.gen_load import chunk_binds
 

@@ -3,8 +3,9 @@ from, but no larger than the chunk the burst began with (TTFT may have doubled i
 
 from __future__ import annotations
 
+from policy_helpers import GEN_START as START
+from policy_helpers import GEN_TWO_CORES as TWO_CORES
 from policy_helpers import gen_obs
-from test_policy_generate import START, TWO_CORES
 
 from policies.generate import GenerateParams, GeneratePolicy
 
