@@ -6,7 +6,7 @@ the observations'."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 from engine.config import Knobs
 from monitors.observation import Observation
@@ -57,7 +57,7 @@ class Bets:
     def __init__(self, layout_gain: float, rows_gain: float, retry_seconds: float):
         self.layout_gain, self.rows_gain, self.retry_seconds = layout_gain, rows_gain, retry_seconds
         self.open: Bet | None = None
-        self._no_bet_until: dict[str, float] = {"threads": float("-inf"), "workers": float("-inf"), "rows": float("-inf")}
+        self._no_bet_until: dict[str, float] = dict.fromkeys(get_args(BetKind), float("-inf"))
 
     def settle(self, now: float) -> None:
         """Called on every decision: the first one after a move starts the bet's clock."""
@@ -76,7 +76,7 @@ class Bets:
 
     def judge(self, observation: Observation, knobs: Knobs, served: bool, filled: bool) -> tuple[Knobs, str] | None:
         """Hold while the bet waits for a whole window measured after it; then keep it if its metric
-        fell by the share needed, or if `served` (what it was made for holds now: a layout bet's), or
+        fell by the share needed, or if `served` (what it was made for holds now), or
         else go back and block its kind for retry_seconds. A larger batch the load no longer
         `filled` (the burst that asked for it has passed) goes back without a verdict: it costs
         nothing then, and the next queue grows it again, to be judged on a full batch."""
@@ -96,7 +96,7 @@ class Bets:
         if now is None:
             return None
         needed = bet.needed_fall(self.layout_gain, self.rows_gain)
-        if now <= (1 - needed) * bet.measure or (served and bet.kind != "rows"):
+        if now <= (1 - needed) * bet.measure or served:
             return None
         self._no_bet_until[bet.kind] = observation.time + self.retry_seconds
         shown = (f"ITL p50 {ms(now)}", ms(bet.measure)) if bet.metric == "itl" else (f"{now * 1000:.0f} core-ms per token", f"{bet.measure * 1000:.0f}")

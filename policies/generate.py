@@ -330,7 +330,12 @@ class GeneratePolicy:
         bet = self._bets.open
         if bet is None:
             return None
-        served = (not ttft_over and not is_queueing(observation)) if bet.metric == "cost" else tail <= self.params.itl_p99_seconds
+        if bet.kind == "rows":
+            served = False  # a larger batch stays only for the tokens it adds: a queue may empty for other reasons
+        elif bet.metric == "cost":
+            served = not ttft_over and not is_queueing(observation)
+        else:
+            served = tail <= self.params.itl_p99_seconds
         return self._bets.judge(observation, knobs, served, self._batches_full(observation, knobs))
 
     def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, tail: float) -> tuple[Knobs, str]:
