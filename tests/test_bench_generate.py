@@ -190,7 +190,7 @@ def test_bench_generate_rejects_bad_flags():
 def test_bench_generate_quick_end_to_end(tmp_path, tiny_causal_lm):
     out = tmp_path / "out"
     done = run_bench("--quick", "--modes", "multiprocess", "--no-generator-check", "--model", tiny_causal_lm, "--json",
-                     "--step-seconds", "3", "--max-output-tokens", "12", "--out", str(out))
+                     "--step-seconds", "1.5", "--max-output-tokens", "12", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     (m,) = summary["modes"]
@@ -199,7 +199,7 @@ def test_bench_generate_quick_end_to_end(tmp_path, tiny_causal_lm):
     assert summary["limit"]["tokens_per_second"] > 0 and summary["requests"]["max_output_tokens"] == 12
     assert {"bench.md", "bench.json", "generation-curves.png", "requests.csv"} <= {p.name for p in out.iterdir()}
     assert "| multiprocess |" in done.stdout and "| limit |" in done.stdout and "| limit, these requests |" in done.stdout
-    assert set(summary["limit"]["with_prefill"]) == {"1x2", "2x1"}  # its cells 2 s each: two thirds of a 3-s rung
+    assert set(summary["limit"]["with_prefill"]) == {"1x2", "2x1"}  # its cells 1 s each: two thirds of a 1.5-s rung
 
 
 def test_bench_generate_replays_a_workload_against_each_mode_and_the_grid(tmp_path, tiny_causal_lm):

@@ -210,7 +210,7 @@ def test_schemathesis_finds_no_server_error(tmp_path):
             [
                 os.path.join(os.path.dirname(sys.executable), "schemathesis"), "run", srv.url + "/openapi.json",
                 "--checks", "not_a_server_error", "--max-examples", "20", "--workers", "1",
-                "--phases", "examples,coverage,fuzzing", "--max-time", "40", "--generation-deterministic",
+                "--phases", "examples,coverage,fuzzing", "--max-time", "25", "--generation-deterministic",
                 "--header", f"Authorization: Bearer {TOKEN}",
             ],
             capture_output=True, text=True, timeout=300, cwd=tmp_path,  # its cache dir goes there
