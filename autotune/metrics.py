@@ -49,7 +49,7 @@ class SelftuneCollector(Collector):
         yield _gauge("selftune_gc_frozen_objects", "Objects the front process froze out of garbage collection after start-up", gc.get_freeze_count())
         yield _counter("selftune_batch_items", "Items (inputs or sequences) sent in batches", c.items)
         yield _counter("selftune_padded_tokens", "Token slots in embedding batches, padding included", c.padded_tokens)
-        yield _counter("selftune_real_tokens", "Input tokens in embedding batches", c.real_tokens)
+        yield _counter("selftune_real_tokens", "Input tokens sent to the workers: embedding inputs, or generation prompts", c.real_tokens)
         yield _counter("selftune_generated_tokens", "Tokens generated", c.generated_tokens)
         yield _counter("selftune_worker_deaths", "Workers that died unexpectedly", c.worker_deaths)
         yield _gauge("selftune_queue_depth", "Items waiting in the batcher", stats.queue_depth)
