@@ -44,6 +44,7 @@ def policy_file(tmp_path):
 def test_threshold_scales_workers_up_and_down_with_the_load(tmp_path, policy_file):
     audit = tmp_path / "audit.jsonl"
     config = {
+        "model": {"dtype": "float32"},  # as every server here: the dtype is beside the point, and auto probes for 2 s at start
         "concurrency": {"process_count": 1, "threads_per_process": 1, "max_batch_size": 4, "batch_timeout": 0.002},
         "monitors": {"interval_seconds": 0.5, "window_seconds": 3},
         "autotune": {"policy": str(policy_file), "interval_seconds": 1, "cooldown_seconds": 2, "audit_log": str(audit)},
@@ -84,7 +85,7 @@ def test_threshold_scales_workers_up_and_down_with_the_load(tmp_path, policy_fil
 
 
 def test_policy_reload_rejects_a_bad_file_and_keeps_the_running_policy(tmp_path, policy_file):
-    config = {"concurrency": {"process_count": 1}, "autotune": {"policy": str(policy_file)}}
+    config = {"model": {"dtype": "float32"}, "concurrency": {"process_count": 1}, "autotune": {"policy": str(policy_file)}}
     srv = ServerProcess(tmp_path, config, env={"SELFTUNE_ADMIN_TOKEN": TOKEN})
     auth = {"authorization": f"Bearer {TOKEN}"}
     try:
@@ -108,7 +109,7 @@ def test_no_autotune_and_a_bad_policy_file(tmp_path):
         [sys.executable, "-m", "autotune.cli", "serve", "--policy", str(bad), "--port", "1"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2 and str(bad) in result.stderr and "threshold" in result.stderr
-    srv = ServerProcess(tmp_path, {"concurrency": {"process_count": 1}, "autotune": {"enabled": False}}, env={"SELFTUNE_ADMIN_TOKEN": TOKEN})
+    srv = ServerProcess(tmp_path, {"model": {"dtype": "float32"}, "concurrency": {"process_count": 1}, "autotune": {"enabled": False}}, env={"SELFTUNE_ADMIN_TOKEN": TOKEN})
     try:
         decisions = httpx.get(srv.url + "/admin/decisions", headers={"authorization": f"Bearer {TOKEN}"}).json()
         assert decisions == {"autotune": False, "decisions": []}

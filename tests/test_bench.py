@@ -222,7 +222,7 @@ def test_load_generator_offers_a_high_rate_to_an_endpoint_that_answers_at_once()
 
 
 def test_capacity_ladder_and_stage_headers_against_a_real_server(tmp_path):
-    config = {"concurrency": {"process_count": 1, "max_batch_size": 8}, "autotune": {"enabled": False}}
+    config = {"model": {"dtype": "float32"}, "concurrency": {"process_count": 1, "max_batch_size": 8}, "autotune": {"enabled": False}}
     server = ServerProcess(tmp_path, config)
     log = RunLog(server.url)
     try:
@@ -296,7 +296,7 @@ def test_tables_and_verdicts_of_many_inputs_per_request_compare_sentences_per_se
 
 def test_open_loop_keeps_the_schedule_when_the_server_is_slow(tmp_path):
     """Open loop: a slow server does not slow the arrivals (latency grows, lag does not)."""
-    config = {"concurrency": {"process_count": 1, "max_batch_size": 1, "batch_timeout": 0.0}, "autotune": {"enabled": False}}
+    config = {"model": {"dtype": "float32"}, "concurrency": {"process_count": 1, "max_batch_size": 1, "batch_timeout": 0.0}, "autotune": {"enabled": False}}
     server = ServerProcess(tmp_path, config)
     try:
         text = " ".join(["word"] * 200)

@@ -61,7 +61,7 @@ def stats(server) -> dict:
     return httpx.get(server.url + "/stats", timeout=10).json()
 
 
-@pytest.mark.parametrize("seconds", [pytest.param(12, id="short"), pytest.param(60, id="long", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seconds", [pytest.param(8, id="short"), pytest.param(60, id="long", marks=pytest.mark.slow)])
 def test_random_killer_every_request_answered_and_workers_come_back(tmp_path, seconds):
     config = {
         "concurrency": {"process_count": 2, "max_batch_size": 8, "batch_timeout": 0.002},
@@ -92,7 +92,7 @@ def test_random_killer_every_request_answered_and_workers_come_back(tmp_path, se
         assert srv.stop() == 0
 
 
-@pytest.mark.parametrize("seconds", [pytest.param(10, id="short"), pytest.param(60, id="long", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seconds", [pytest.param(6, id="short"), pytest.param(60, id="long", marks=pytest.mark.slow)])
 def test_retune_storm_fails_nothing_and_leaks_nothing(tmp_path, shm_entries, seconds):
     config = {"concurrency": {"process_count": 2}, "autotune": {"enabled": False}}
     srv = ServerProcess(tmp_path, config, env={"SELFTUNE_ADMIN_TOKEN": TOKEN})
