@@ -33,7 +33,8 @@ def clock_offset(requests: list[dict], timeline: list[dict]) -> float:
 
 
 def chunk_moves(folder: str, window: float) -> list[str]:
-    mode = next(m for m in json.load(open(os.path.join(folder, "bench.json")))["modes"] if m.get("decisions"))
+    with open(os.path.join(folder, "bench.json")) as f:
+        mode = next(m for m in json.load(f)["modes"] if m.get("decisions"))
     with open(os.path.join(folder, "requests.csv")) as f:
         ok = [r for r in csv.DictReader(f) if r["mode"] == mode["mode"] and r["status"] == "200" and r["ttft"]]
     offset = clock_offset(ok, mode["timeline"])

@@ -46,17 +46,21 @@ def live(folder: str, mode: str, ttft_slo: float, gap_slo: float) -> dict:
     return counts(refused, ttft, np.array([number(r["itl_mean"]) for r in rows]), ttft_slo, gap_slo)
 
 
-def simulated(bench: dict, mode: dict, cost_model: str, policy: str | None, queue_timeout: float | None, seed: int) -> dict:
+def bench_arrivals(bench: dict) -> list[tuple[float, int, int]]:
+    """The run's (arrival, prompt tokens, output tokens): request i carries the bench's i-th drawn lengths, cycled."""
     requests = bench["requests"]
     table = gen_inputs.read_lengths(gen_inputs.locate(requests["trace"]))
     # min_prompt: the completions API's prompts carry SmolLM2's one special token (the bench asks its tokenizer)
     pairs = gen_inputs.draw_lengths(table, requests["pairs"], bench["seed"], requests["max_prompt_tokens"], requests["max_output_tokens"], min_prompt=2)
-    arrivals = [(t, *pairs[i % len(pairs)]) for i, (t, _) in enumerate(from_spec(bench["workload"]))]
+    return [(t, *pairs[i % len(pairs)]) for i, (t, _) in enumerate(from_spec(bench["workload"]))]
+
+
+def simulated(bench: dict, mode: dict, arrivals, cost_model, policy: str | None, queue_timeout: float | None, seed: int) -> dict:
     started = mode["timeline"][0] if mode.get("timeline") else mode["start_knobs"]  # the server's first /stats: `auto` resolved
     knobs = Knobs(**{k: v for k, v in started.items() if k in Knobs.__dataclass_fields__})
     config = GenSimConfig(knobs=knobs, cores=bench["machine"]["usable_cores"], ttft_seconds=bench["ttft_slo_seconds"], itl_seconds=bench["itl_slo_seconds"],
                           speed_noise=0.08, step_noise=0.1, noise_seed=seed, queue_timeout=queue_timeout)
-    r = simulate_generation(arrivals, load_gen_cost_model(cost_model), config, load_policy(policy) if policy else None)
+    r = simulate_generation(arrivals, cost_model, config, load_policy(policy) if policy else None)  # a fresh policy: it keeps state
     return counts(r.rejected, np.where(r.rejected, np.nan, r.first - r.arrival), r.mean_gap, config.ttft_seconds, config.itl_seconds)
 
 
@@ -69,15 +73,18 @@ def main() -> None:
     parser.add_argument("--seeds", default="0", help="noise seeds of the simulated side, comma-separated")
     args = parser.parse_args()
     show = lambda d: "  ".join(f"{k} {v:.0f}" for k, v in d.items())  # noqa: E731
+    cost_models = {path: load_gen_cost_model(path) for path in args.cost_model}
     for folder in args.folders:
-        bench = json.load(open(os.path.join(folder, "bench.json")))
+        with open(os.path.join(folder, "bench.json")) as f:
+            bench = json.load(f)
         (mode,) = bench["modes"]
         ran_policy = bool(mode.get("decisions"))
+        arrivals = bench_arrivals(bench)
         print(f"{folder} ({mode['mode']}, {'policy' if ran_policy else 'static'}), live:  {show(live(folder, mode['mode'], bench['ttft_slo_seconds'], bench['itl_slo_seconds']))}")
-        for cost_model in args.cost_model:
+        for path, cost_model in cost_models.items():
             for seed in (int(s) for s in args.seeds.split(",")):
-                got = simulated(bench, mode, cost_model, args.policy if ran_policy else None, args.queue_timeout, seed)
-                print(f"    simulated on {os.path.basename(cost_model)}, seed {seed}:  {show(got)}")
+                got = simulated(bench, mode, arrivals, cost_model, args.policy if ran_policy else None, args.queue_timeout, seed)
+                print(f"    simulated on {os.path.basename(path)}, seed {seed}:  {show(got)}")
 
 
 if __name__ == "__main__":
