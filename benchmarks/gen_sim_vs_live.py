@@ -50,8 +50,9 @@ def bench_arrivals(bench: dict) -> list[tuple[float, int, int]]:
     """The run's (arrival, prompt tokens, output tokens): request i carries the bench's i-th drawn lengths, cycled."""
     requests = bench["requests"]
     table = gen_inputs.read_lengths(gen_inputs.locate(requests["trace"]))
-    # min_prompt: the completions API's prompts carry SmolLM2's one special token (the bench asks its tokenizer)
-    pairs = gen_inputs.draw_lengths(table, requests["pairs"], bench["seed"], requests["max_prompt_tokens"], requests["max_output_tokens"], min_prompt=2)
+    # runs before the bench recorded min_prompt_tokens were all SmolLM2's: one special token, so 2
+    pairs = gen_inputs.draw_lengths(table, requests["pairs"], bench["seed"], requests["max_prompt_tokens"], requests["max_output_tokens"],
+                                    min_prompt=requests.get("min_prompt_tokens", 2))
     return [(t, *pairs[i % len(pairs)]) for i, (t, _) in enumerate(from_spec(bench["workload"]))]
 
 

@@ -3,6 +3,7 @@ against a real server on the tiny causal LM, the in-process limit, and the comma
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import subprocess
@@ -197,6 +198,9 @@ def test_bench_generate_quick_end_to_end(tmp_path, tiny_causal_lm):
     assert m["mode"] == "multiprocess" and m["max_qps"] > 0 and m["steps"] and summary["task"] == "generate"
     assert m["at_max"]["passed"] and m["at_max"]["ttft_p99"] <= 2.0 and m["at_max"]["itl_p99"] <= 0.25 and m["at_max"]["output_tokens_per_s"] > 0
     assert summary["limit"]["tokens_per_second"] > 0 and summary["requests"]["max_output_tokens"] == 12
+    with open(out / "requests.csv") as f:  # the recorded least prompt (a replay draws lengths by it) is one the server counted no more than
+        counted = [int(r["prompt_tokens"]) for r in csv.DictReader(f) if r["prompt_tokens"]]
+    assert counted and 1 <= summary["requests"]["min_prompt_tokens"] <= min(counted)
     assert {"bench.md", "bench.json", "generation-curves.png", "requests.csv"} <= {p.name for p in out.iterdir()}
     assert "| multiprocess |" in done.stdout and "| limit |" in done.stdout and "| limit, these requests |" in done.stdout
     assert set(summary["limit"]["with_prefill"]) == {"1x2", "2x1"}  # its cells 1 s each: two thirds of a 1.5-s rung

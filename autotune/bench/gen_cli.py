@@ -87,13 +87,14 @@ def _requests(args, table, context: int, builder, model: str, say) -> tuple[dict
     their (prompt, output) lengths)."""
     max_out = min(args.max_output_tokens or (64 if args.quick else 128), context - builder.specials - 1)
     max_prompt = max(1, min(args.max_prompt_tokens or (256 if args.quick else 512), context - max_out))
-    pairs = gen_inputs.draw_lengths(table, 256, args.seed, max_prompt, max_out, min_prompt=builder.specials + 1)
+    min_prompt = builder.specials + 1  # a prompt carries the tokenizer's special tokens and one token of text at least
+    pairs = gen_inputs.draw_lengths(table, 256, args.seed, max_prompt, max_out, min_prompt=min_prompt)
     name = _served_name(args.url) if args.url else model
     bodies = gen_inputs.bodies(builder, pairs, name, args.api, args.seed, ignore_eos=not args.stop_at_eos)
     prompts, outputs = np.array([p for p, _ in pairs]), np.array([o for _, o in pairs])
     say(f"requests: prompts {int(prompts.min())}-{int(prompts.max())} tokens (median {int(np.median(prompts))}), "
         f"outputs {int(outputs.min())}-{int(outputs.max())} (mean {outputs.mean():.1f}), from {args.trace}")
-    requests = {"trace": args.trace, "max_prompt_tokens": max_prompt, "max_output_tokens": max_out, "pairs": len(pairs),
+    requests = {"trace": args.trace, "min_prompt_tokens": min_prompt, "max_prompt_tokens": max_prompt, "max_output_tokens": max_out, "pairs": len(pairs),
                 "prompt_tokens_median": float(np.median(prompts)), "output_tokens_mean": float(outputs.mean())}
     return requests, lambda i: bodies[i % len(bodies)], pairs
 
