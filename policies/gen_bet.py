@@ -74,12 +74,14 @@ class Bets:
         if moved != knobs and measure is not None:
             self.open = Bet(kind, metric, knobs, moved, measure)
 
-    def judge(self, observation: Observation, knobs: Knobs, served: bool, filled: bool) -> tuple[Knobs, str] | None:
+    def judge(self, observation: Observation, knobs: Knobs, served: bool, filled: bool, pace_lost: str = "") -> tuple[Knobs, str] | None:
         """Hold while the bet waits for a whole window measured after it; then keep it if its metric
         fell by the share needed, or if `served` (what it was made for holds now), or
         else go back and block its kind for retry_seconds. A larger batch the load no longer
         `filled` (the burst that asked for it has passed) goes back without a verdict: it costs
-        nothing then, and the next queue grows it again, to be judged on a full batch."""
+        nothing then, and the next queue grows it again, to be judged on a full batch. A larger
+        batch that put the ITL objective over (`pace_lost` says how) goes back and is blocked
+        whatever its cost per token did: it was made on ITL's headroom, and spent more than that."""
         bet = self.open
         if bet is None:
             return None
@@ -92,6 +94,10 @@ class Bets:
         self.open = None
         if bet.kind == "rows" and not filled:
             return bet.undo(knobs), f"the larger batch ({bet.moved.max_batch_size} rows) is not filled any more: back to {bet.before.max_batch_size} until a queue asks again"
+        if bet.kind == "rows" and pace_lost:
+            self._no_bet_until[bet.kind] = observation.time + self.retry_seconds
+            return bet.undo(knobs), (f"{pace_lost} on {bet.moved.max_batch_size} rows: the larger batch cost the pace; "
+                                     f"back to {bet.before.max_batch_size}, not again for {self.retry_seconds:g} s")
         now = bet_measure(observation, bet.metric, knobs)
         if now is None:
             return None

@@ -51,8 +51,8 @@ TTFT under it while the refused ones miss it for good.
    twice what keeps up with the arrivals); when sequences queue (in the front or in a worker) and batches are full, a larger batch (+
    `growth_step`; continuous batching makes more tokens per second at a larger batch while a step's
    cost is mostly its weight reads, not once the rows fill the cores: a bet, kept if the busy cores
-   per output token fell by `min_rows_gain` of 1 - rows before / rows after, undone without a
-   verdict if the load no longer fills it), else one more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
+   per output token fell by `min_rows_gain` of 1 - rows before / rows after and the ITL objective
+   still holds (it was made on ITL's headroom), undone without a verdict if the load no longer fills it), else one more worker, the cores spread over them; when nothing queues, the prompt itself is slow to
    prefill: a larger max_batch_tokens (fewer steps per prompt). Without ITL headroom capacity is
    short: with sequences queued and more than one thread per worker, one more worker, else hold
    and say so. One more worker that takes threads from the others is a bet too (fewer threads
@@ -118,7 +118,8 @@ class GenerateParams(Params):
     """A layout bet stays only if ITL p50 (more threads) or the busy cores per output token (more workers) then fall by this share."""
     min_rows_gain: float = Field(0.25, ge=0, le=1)
     """A larger batch stays only if the busy cores per output token then fall by this share of
-    1 - rows before / rows after (what they would fall by if a step cost the same whatever its rows)."""
+    1 - rows before / rows after (what they would fall by if a step cost the same whatever its rows),
+    and the ITL objective still holds."""
     retry_seconds: float = Field(300.0, ge=0)
     """How long a bet (a layout, a larger batch) that did not pay is not made again."""
     mean_headroom: float = Field(0.8, gt=0, le=1)
@@ -330,13 +331,16 @@ class GeneratePolicy:
         bet = self._bets.open
         if bet is None:
             return None
+        pace_lost = ""
         if bet.kind == "rows":
             served = False  # a larger batch stays only for the tokens it adds: a queue may empty for other reasons
+            if tail > self.params.itl_p99_seconds:  # simulated on a slow CPU, 16 -> 20 rows made TPOT p99 289 of 250 ms and was kept for its cost per token
+                pace_lost = f"{self._itl_tail(observation)[1]} {ms(tail)} of {ms(self.params.itl_p99_seconds)}"
         elif bet.metric == "cost":
             served = not ttft_over and not is_queueing(observation)
         else:
             served = tail <= self.params.itl_p99_seconds
-        return self._bets.judge(observation, knobs, served, self._batches_full(observation, knobs))
+        return self._bets.judge(observation, knobs, served, self._batches_full(observation, knobs), pace_lost)
 
     def _ttft_over(self, observation: Observation, knobs: Knobs, bounds: Bounds, tail: float) -> tuple[Knobs, str]:
         p, itl = self.params, observation.load.latency["itl"]

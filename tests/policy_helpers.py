@@ -92,6 +92,7 @@ def gen_obs(
     ttft: float | None = 0.5,
     itl: float | None = 0.1,
     itl_mean: float | None = None,
+    tpot: float | None = None,
     tokens: int = 500,
     first_tokens: int = 20,
     held: int = 4,
@@ -108,12 +109,15 @@ def gen_obs(
     """A generation Observation: TTFT and ITL p99s over `first_tokens` and `tokens` samples, each
     of `workers` ready workers holding `held` sequences (`running` of them in its batch); two
     requests a second of `prompt` tokens each (`arrivals` and `completions` a second counted as
-    arriving and finishing). The mean inter-token gap is half the p99 unless given."""
+    arriving and finishing). The mean inter-token gap is half the p99 unless given; `tpot`, the p99
+    of `first_tokens` finished requests' mean gaps, only when given."""
     latency = {}
     if ttft is not None:
         latency["ttft"] = Latency(p50=ttft / 2, p95=ttft * 0.9, p99=ttft, mean=ttft / 2, count=first_tokens)
     if itl is not None:
         latency["itl"] = Latency(p50=itl / 2, p95=itl * 0.9, p99=itl, mean=itl / 2 if itl_mean is None else itl_mean, count=tokens)
+    if tpot is not None:
+        latency["tpot"] = Latency(p50=tpot * 0.8, p95=tpot * 0.95, p99=tpot, mean=tpot * 0.8, count=first_tokens)
     running = held if running is None else running
     worker = dict(running_sequences=running, waiting_sequences=waiting, kv_tokens_used=kv_total // 2, kv_tokens_total=kv_total, preemptions=preemptions)
     return Observation(
