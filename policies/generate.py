@@ -334,7 +334,7 @@ class GeneratePolicy:
         pace_lost = ""
         if bet.kind == "rows":
             served = False  # a larger batch stays only for the tokens it adds: a queue may empty for other reasons
-            if tail > self.params.itl_p99_seconds:  # simulated on a slow CPU, 16 -> 20 rows made TPOT p99 289 of 250 ms and was kept for its cost per token
+            if tail > self.params.itl_p99_seconds:  # made on ITL's headroom; live, 20 rows kept for their cost per token lost many requests' pace
                 pace_lost = f"{self._itl_tail(observation)[1]} {ms(tail)} of {ms(self.params.itl_p99_seconds)}"
         elif bet.metric == "cost":
             served = not ttft_over and not is_queueing(observation)

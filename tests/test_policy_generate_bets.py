@@ -10,7 +10,7 @@ from policy_helpers import GEN_TWO_CORES as TWO_CORES
 from policy_helpers import gen_decide as decide
 from policy_helpers import gen_obs
 
-from policies.generate import GeneratePolicy, GenerateParams
+from policies.generate import GenerateParams, GeneratePolicy
 
 
 def settle(policy, observation, knobs):
