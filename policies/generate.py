@@ -175,7 +175,7 @@ class GeneratePolicy:
         short = ttft_over or (ttft_p99 is None and is_queueing(observation)) or rising(observation)
         calm = self._calm(observation, tail, ttft_p99)
         move = (
-            self._judge_bet(observation, knobs, ttft_over, tail)
+            self._judge_bet(observation, knobs, ttft_over, tail, tail_name)
             or self._kv_thrash(observation, knobs, bounds)
             or (self._itl_over(observation, knobs, bounds, short, ttft_p99) if tail > p.itl_p99_seconds else None)
             or (self._ttft_over(observation, knobs, bounds, tail) if ttft_over else None)
@@ -322,7 +322,7 @@ class GeneratePolicy:
         self._bets.make(observation, kind, metric, knobs, moved)
         return moved, why
 
-    def _judge_bet(self, observation: Observation, knobs: Knobs, ttft_over: bool, tail: float) -> tuple[Knobs, str] | None:
+    def _judge_bet(self, observation: Observation, knobs: Knobs, ttft_over: bool, tail: float, tail_name: str) -> tuple[Knobs, str] | None:
         """A bet on more workers was made for capacity: it stays when nothing queues and TTFT is not
         over (the offered load may have fallen too, which a cost per token may not show at once). A
         bet for ITL stays when `tail` meets the ITL objective (ITL p50 on fewer threads a step may
@@ -335,7 +335,7 @@ class GeneratePolicy:
         if bet.kind == "rows":
             served = False  # a larger batch stays only for the tokens it adds: a queue may empty for other reasons
             if tail > self.params.itl_p99_seconds:  # made on ITL's headroom; live, 20 rows kept for their cost per token lost many requests' pace
-                pace_lost = f"{self._itl_tail(observation)[1]} {ms(tail)} of {ms(self.params.itl_p99_seconds)}"
+                pace_lost = f"{tail_name} {ms(tail)} of {ms(self.params.itl_p99_seconds)}"
         elif bet.metric == "cost":
             served = not ttft_over and not is_queueing(observation)
         else:
