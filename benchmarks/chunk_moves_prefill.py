@@ -39,7 +39,7 @@ def chunk_moves(folder: str, window: float) -> list[str]:
         ok = [r for r in csv.DictReader(f) if r["mode"] == mode["mode"] and r["status"] == "200" and r["ttft"]]
     offset = clock_offset(ok, mode["timeline"])
     first = np.array([float(r["sent_at"]) + float(r["ttft"]) + offset for r in ok])
-    prompts = np.array([int(r["prompt_tokens"]) for r in ok])
+    prompts = np.array([int(r["prompt_tokens"] or 0) for r in ok])  # empty: the server reported no usage (a cut stream)
     lines = [f"{folder}: replay clock + {offset:.2f} s = the decisions' clock"]
     for d in mode["decisions"]:
         old, new = d["old"]["max_batch_tokens"], d["new"]["max_batch_tokens"]

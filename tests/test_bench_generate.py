@@ -15,6 +15,7 @@ import pytest
 from autotune.bench import gen_inputs, stream_loadgen
 from autotune.bench.gen_capacity import judge_generation
 from autotune.bench.gen_report import generation_table, generation_verdicts
+from autotune.bench.gen_runner import GEN_REQUEST_COLUMNS, write_gen_results
 from autotune.bench.modes import SHIPPED, generation_candidates, mode
 from autotune.bench.runner import ModeResult
 from autotune.bench.server import ServerProcess
@@ -68,6 +69,16 @@ def test_judge_takes_cut_streams_for_what_they_showed():
     assert judge_generation(fine + [short], 10, 0.0, 10, 2.0, 0.25).passed
     gaps = judge_generation(fine + [stalled] * 10, 10, 0.0, 10, 2.0, 0.25)  # 10 of 650 gaps
     assert not gaps.passed and gaps.itl_p99 > 0.25
+
+
+def test_the_request_log_leaves_the_prompt_cell_empty_where_the_server_reported_no_usage():
+    import io
+
+    out = io.StringIO()
+    served, refused = stream(0.1, prompt_tokens=37), StreamResult(0.2, 429)
+    write_gen_results(csv.writer(out), "multiprocess", 2.0, [served, refused])
+    rows = list(csv.DictReader(io.StringIO(",".join(GEN_REQUEST_COLUMNS) + "\n" + out.getvalue())))
+    assert [r["prompt_tokens"] for r in rows] == ["37", ""] and [r["status"] for r in rows] == ["200", "429"]
 
 
 def test_lengths_come_from_the_trace_clipped_and_prompts_tokenize_to_them(tiny_causal_lm):
@@ -198,7 +209,9 @@ def test_bench_generate_quick_end_to_end(tmp_path, tiny_causal_lm):
     assert m["mode"] == "multiprocess" and m["max_qps"] > 0 and m["steps"] and summary["task"] == "generate"
     assert m["at_max"]["passed"] and m["at_max"]["ttft_p99"] <= 2.0 and m["at_max"]["itl_p99"] <= 0.25 and m["at_max"]["output_tokens_per_s"] > 0
     assert summary["limit"]["tokens_per_second"] > 0 and summary["requests"]["max_output_tokens"] == 12
-    with open(out / "requests.csv") as f:  # the recorded least prompt (a replay draws lengths by it) is one the server counted no more than
+    # the recorded least prompt (a replay draws lengths by it) is one the server counted no more than;
+    # a refused or cut request reports no usage, and its cell is empty
+    with open(out / "requests.csv") as f:
         counted = [int(r["prompt_tokens"]) for r in csv.DictReader(f) if r["prompt_tokens"]]
     assert counted and 1 <= summary["requests"]["min_prompt_tokens"] <= min(counted)
     assert {"bench.md", "bench.json", "generation-curves.png", "requests.csv"} <= {p.name for p in out.iterdir()}

@@ -210,5 +210,5 @@ def write_gen_results(writer, label: str, rate: float, results: list[StreamResul
     for r in results:
         gaps = r.itls()
         writer.writerow([label, f"{rate:.3f}", f"{r.sent_at:.4f}", r.status, f"{r.ttft:.5f}", f"{r.latency:.5f}", f"{r.lag:.5f}",
-                         r.output_tokens, r.prompt_tokens, f"{gaps.mean():.5f}" if len(gaps) else "", f"{gaps.max():.5f}" if len(gaps) else "",
+                         r.output_tokens, r.prompt_tokens or "", f"{gaps.mean():.5f}" if len(gaps) else "", f"{gaps.max():.5f}" if len(gaps) else "",
                          f"{r.cut_at:.4f}" if not math.isnan(r.cut_at) else "", r.error])
