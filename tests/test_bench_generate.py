@@ -17,7 +17,7 @@ from autotune.bench.gen_capacity import judge_generation
 from autotune.bench.gen_report import generation_table, generation_verdicts
 from autotune.bench.gen_runner import GEN_REQUEST_COLUMNS, write_gen_results
 from autotune.bench.modes import SHIPPED, generation_candidates, mode
-from autotune.bench.runner import ModeResult
+from autotune.bench.runner import ModeResult, new_request_log
 from autotune.bench.server import ServerProcess
 from autotune.bench.stream_loadgen import StreamResult
 from autotune.controller import without_holds
@@ -71,13 +71,13 @@ def test_judge_takes_cut_streams_for_what_they_showed():
     assert not gaps.passed and gaps.itl_p99 > 0.25
 
 
-def test_the_request_log_leaves_the_prompt_cell_empty_where_the_server_reported_no_usage():
-    import io
-
-    out = io.StringIO()
+def test_the_request_log_leaves_the_prompt_cell_empty_where_the_server_reported_no_usage(tmp_path):
     served, refused = stream(0.1, prompt_tokens=37), StreamResult(0.2, 429)
-    write_gen_results(csv.writer(out), "multiprocess", 2.0, [served, refused])
-    rows = list(csv.DictReader(io.StringIO(",".join(GEN_REQUEST_COLUMNS) + "\n" + out.getvalue())))
+    f, writer = new_request_log(str(tmp_path / "requests.csv"), GEN_REQUEST_COLUMNS)
+    with f:
+        write_gen_results(writer, "multiprocess", 2.0, [served, refused])
+    with open(tmp_path / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
     assert [r["prompt_tokens"] for r in rows] == ["37", ""] and [r["status"] for r in rows] == ["200", "429"]
 
 
