@@ -1,13 +1,12 @@
-"""An open-loop HTTP load generator on asyncio + httpx: arrivals are scheduled, never wait for answers.
+"""An open-loop HTTP load generator: arrivals are scheduled, never wait for answers.
 
-Used by `selftune bench`, `selftune validate`, the soak script and the live tests. aiohttp,
-not httpx: on one core httpx's async client tops out near 360 requests/s against an endpoint
-that answers at once, aiohttp holds 1,500/s with a 99th-percentile send lag of 14 ms. Every
-request is a task started at its scheduled time, so queueing in the server shows up as latency
-(a closed loop would hide it by slowing down). Latency is measured from the *scheduled* time,
-the way wrk2 does it: if the generator itself falls behind, that shows as latency too, and as
-`lag` (how late the request left), which the caller can check to prove the generator was not
-the bottleneck.
+Used by `selftune bench`, `selftune validate`, the soak script and the live tests. Each request
+goes out at its scheduled time on an idle keep-alive connection (autotune/bench/http1.py), so
+queueing in the server shows up as latency (a closed loop would hide it by slowing down).
+Latency is measured from the *scheduled* time, the way wrk2 does it: if the generator itself
+falls behind, that shows as latency too, and as `lag` (how late the request left), which the
+caller can check to prove the generator was not the bottleneck. The generator runs on the cores
+it measures, so it is built to spend little CPU a request.
 
 `on_tick` runs on its own thread, so a slow callback (sampling processes, calling the admin
 API) never delays the arrivals.
@@ -21,8 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-import aiohttp
-
+from autotune.bench.http1 import ConnectionPool, Exchange
 from engine.heap import freeze_startup_heap
 
 STAGE_HEADERS = {
@@ -41,6 +39,9 @@ refused: a 180 req/s overload measured 13 s of client-side waiting)."""
 
 BATCH_HEADER = "x-selftune-batch"
 """The batch a response's input ran in: `items,rows,tokens per row`."""
+
+_STAGE_KEYS = {name: header.encode() for name, header in STAGE_HEADERS.items()}
+_BATCH_KEY = BATCH_HEADER.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,38 +129,32 @@ def _tick(on_tick: Callable[[float], None], started: float, every: float, stop: 
 
 
 async def _send_all(url: str, arrivals: list[float], body: Body, connections: int, timeout: float, started: float) -> list[Result]:
-    connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=2.0)
-    session_timeout = aiohttp.ClientTimeout(total=timeout)
-    headers = {"content-type": "application/json"}
-    async with aiohttp.ClientSession(connector=connector, timeout=session_timeout, headers=headers) as session:
+    results: list[Result | None] = [None] * len(arrivals)
+    due = [started + offset for offset in arrivals]
+    all_done = asyncio.get_running_loop().create_future()
+    remaining = len(arrivals)
 
-        async def one(i: int, due: float) -> Result:
-            payload = body(i) if callable(body) else body
-            sent = time.monotonic()
-            status, stages, batch = await _post(session, url, payload)
-            done = time.monotonic()
-            return Result(due - started, status, done - due, sent - due, stages, batch)
+    def done(exchange: Exchange) -> None:
+        nonlocal remaining
+        i, headers = exchange.index, exchange.headers or {}
+        stages = {name: float(headers[h]) / 1000 for name, h in _STAGE_KEYS.items() if h in headers}
+        batch = tuple(int(x) for x in headers.get(_BATCH_KEY, b"").split(b",") if x)
+        results[i] = Result(due[i] - started, exchange.status, time.monotonic() - due[i], exchange.sent - due[i], stages, batch)
+        remaining -= 1
+        if remaining == 0:
+            all_done.set_result(None)
 
-        tasks = []
-        for i, offset in enumerate(arrivals):
-            due = started + offset
-            delay = due - time.monotonic()
+    if not arrivals:
+        return []
+    pool = ConnectionPool(url, connections, timeout, {*_STAGE_KEYS.values(), _BATCH_KEY}, done)
+    fixed = None if callable(body) else pool.request(body)
+    try:
+        for i, at in enumerate(due):
+            delay = at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, due)))
-        return list(await asyncio.gather(*tasks))
-
-
-async def _post(session: aiohttp.ClientSession, url: str, payload: bytes) -> tuple[int, dict[str, float], tuple[int, ...]]:
-    """POST once more if the server closed a keep-alive connection under us; status 0 if it fails."""
-    for attempt in range(2):
-        try:
-            async with session.post(url, data=payload) as response:
-                await response.read()
-                stages = {name: float(response.headers[h]) / 1000 for name, h in STAGE_HEADERS.items() if h in response.headers}
-                batch = tuple(int(x) for x in response.headers.get(BATCH_HEADER, "").split(",") if x)
-                return response.status, stages, batch
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            if attempt == 0:
-                continue
-    return 0, {}, ()
+            pool.submit(Exchange(i, fixed if fixed is not None else pool.request(body(i)), time.monotonic()))
+        await all_done
+    finally:
+        pool.close()
+    return results  # type: ignore[return-value]
