@@ -126,3 +126,15 @@ def test_anything_else_reaches_the_app_behind_with_its_body_intact(engine, case)
     status, _, _ = call(app, **case, pieces=2)
     assert status == 418
     assert behind.bodies == [case["body"]]
+
+
+def test_the_fast_path_times_what_it_answers_and_leaves_a_body_over_the_limit_to_the_app(engine):
+    behind = Behind()
+    body = request(input="a sentence to embed")
+    app = EmbeddingsFastPath(behind, ServerState(engine, ServerLimits(max_body_bytes=len(body))))
+    before = int(engine.latency.snapshot()["total"][0].sum())
+    assert call(app, body)[0] == 200 and call(app, request(input="a", model="gpt-4"))[0] == 404
+    assert int(engine.latency.snapshot()["total"][0].sum()) == before + 2  # answers and errors, as RequestTiming counts them
+    over = request(input="a sentence to embed!")
+    assert call(app, over)[0] == 418 and behind.bodies == [over]  # the app's BodySizeLimit answers it (413)
+    assert int(engine.latency.snapshot()["total"][0].sum()) == before + 2

@@ -15,6 +15,15 @@ from engine.http.state import ServerLimits, ServerState
 from engine.http.timing import RequestTiming
 
 
+class SelftuneAPI(FastAPI):
+    """FastAPI whose embedding requests meet `EmbeddingsFastPath` before any of its layers."""
+
+    fast_path: EmbeddingsFastPath
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.fast_path(scope, receive, send)
+
+
 def create_app(
     engine: Engine,
     limits: ServerLimits = ServerLimits(),
@@ -22,7 +31,7 @@ def create_app(
     shutdown_grace: float = 30.0,
     before_shutdown: Callable[[], None] | None = None,
     served_names: tuple[str, ...] = (),
-) -> FastAPI:
+) -> SelftuneAPI:
     """An app serving `engine` (already started); shutting the app down shuts the engine down.
 
     `before_shutdown` runs first (e.g. stopping whoever reads the engine in the background).
@@ -37,7 +46,8 @@ def create_app(
             before_shutdown()
         engine.shutdown(grace=shutdown_grace)
 
-    app = FastAPI(title="selftune", version=ops_routes.server_version(), lifespan=lifespan)
+    app = SelftuneAPI(title="selftune", version=ops_routes.server_version(), lifespan=lifespan)
+    app.fast_path = EmbeddingsFastPath(lambda scope, receive, send: FastAPI.__call__(app, scope, receive, send), state)
     app.state.selftune = state
     errors.install(app)
     app.include_router(openai_routes.router)
@@ -45,7 +55,6 @@ def create_app(
     app.include_router(tokenize_routes.router)
     app.include_router(ops_routes.router)
     app.include_router(admin_routes.router)
-    app.add_middleware(EmbeddingsFastPath, state=state)  # innermost: inside the size limit and the timing
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
     app.add_middleware(RequestTiming, latency=engine.latency)
     return app

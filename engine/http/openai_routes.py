@@ -9,7 +9,6 @@ import asyncio
 import base64
 import logging
 import time
-from contextlib import asynccontextmanager
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -104,15 +103,6 @@ def admit(state: ServerState, tokens: int = 0) -> Ticket:
     return ticket
 
 
-@asynccontextmanager
-async def admitted(state: ServerState):
-    ticket = admit(state)
-    try:
-        yield
-    finally:
-        ticket.release()
-
-
 async def until_disconnect(receive: Receive) -> None:
     """Returns when the client goes away (`receive` is the request's, its body already read)."""
     while True:
@@ -165,7 +155,8 @@ async def embeddings(state: ServerState, body: EmbeddingRequest, receive: Receiv
     hidden = state.engine.info.hidden_size
     if body.dimensions is not None and body.dimensions != hidden:
         raise APIError(400, f"dimensions={body.dimensions}: this model's embeddings have {hidden} dimensions", param="dimensions")
-    async with admitted(state):
+    ticket = admit(state)  # released however the request ends
+    try:
         engine = state.engine
         try:
             if isinstance(inputs[0], str):
@@ -178,8 +169,13 @@ async def embeddings(state: ServerState, body: EmbeddingRequest, receive: Receiv
         except (EngineError, ValueError) as exc:
             raise as_api_error(exc) from None
         shaped = time.monotonic()
-        payload = await asyncio.wrap_future(engine.run_io(_embedding_payload, result, body.encoding_format, engine.source.name))
+        shaping = engine.run_io(_embedding_payload, result, body.encoding_format, engine.source.name)
+        # With no I/O threads the pool ran it already; wrapping a done future would still cost a
+        # wake-up of the event loop through its self-pipe and another turn of it.
+        payload = shaping.result() if shaping.done() else await asyncio.wrap_future(shaping)
         response = JSONResponse(payload, headers={**_timing_headers(result.timings), **ignored_header(body)})
+    finally:
+        ticket.release()
     engine.latency.record("postprocess", time.monotonic() - shaped)
     return response
 
