@@ -19,7 +19,8 @@ Clipper's batch-size controller (Crankshaw et al., NSDI 2017), fed with the samp
 - otherwise hold: a larger limit would not make the batches any larger.
 With `min_efficiency_gain`, a growth that did not raise the items per model-second by that
 share (judged at the next decision after the cooldown, under the same process × thread layout,
-whether or not the latency then meets the SLO) is undone and its size becomes a ceiling for
+whether or not the latency then meets the SLO, and only if the batches then ran larger than the
+old size) is undone and its size becomes a ceiling for
 `ceiling_seconds` (inputs of mixed lengths pad to the longest, so past some size a larger batch
 is slower per item; long inputs gain nothing from batching at all).
 
@@ -193,6 +194,8 @@ class AimdPolicy:
         now, size = observation.time, knobs.max_batch_size
         if layout != (knobs.process_count, knobs.threads_per_process) or now - when > 2 * max(p.cooldown_seconds, 1.0):
             return None  # the workers or the load changed since: per-item times are not comparable
+        if observation.load.batch_size <= before:
+            return None  # the batches never outgrew the old size: the growth is untried, not failed
         if before >= size or efficiency >= before_efficiency * (1 + p.min_efficiency_gain):
             return None
         self._ceiling = (before, now + p.ceiling_seconds)

@@ -127,6 +127,23 @@ def test_aimd_undoes_a_growth_that_did_not_pay_and_keeps_a_ceiling():
     assert plain.decide(obs(0, p99=0.2, batch_size=16, model_mean=0.070), Knobs(max_batch_size=16), BOUNDS).knobs.max_batch_size == 20
 
 
+def test_aimd_does_not_undo_a_growth_whose_batches_never_outgrew_the_old_size():
+    """Recorded live (2026-12-07, one-sentence ladder): queueing grew 16 -> 32, the next window's
+    batches averaged 12.6, and the growth was undone as "224 items per model-second at 32 vs 225 at
+    16: did not pay", with 16 the ceiling for 120 s. Batches no larger than before tried nothing."""
+    policy = aimd(min_efficiency_gain=0.02, ceiling_seconds=120, cooldown_seconds=10, additive_step=2, model_budget_fraction=0.5, queueing_growth_factor=2)
+    queueing = dict(p99=1.097, batch_size=13.76, model_mean=0.061, batch_seconds=0.0612)
+    knobs = policy.decide(obs(0, **queueing), Knobs(max_batch_size=16), BOUNDS).knobs
+    assert knobs.max_batch_size == 32
+    untried = policy.decide(obs(14, p99=0.9, batch_size=12.56, model_mean=0.056, batch_seconds=0.0561), knobs, BOUNDS)
+    assert untried.knobs.max_batch_size == 32 and "did not pay" not in untried.reason
+    # batches that did grow, and did not get cheaper per item, are still sent back
+    policy = aimd(min_efficiency_gain=0.02, ceiling_seconds=120, cooldown_seconds=10, additive_step=2, model_budget_fraction=0.5, queueing_growth_factor=2)
+    knobs = policy.decide(obs(0, **queueing), Knobs(max_batch_size=16), BOUNDS).knobs
+    tried = policy.decide(obs(14, p99=0.9, batch_size=27.8, model_mean=0.124, batch_seconds=0.124), knobs, BOUNDS)
+    assert tried.knobs.max_batch_size == 16 and "did not pay" in tried.reason
+
+
 def test_aimd_judges_a_growth_that_broke_the_slo_too():
     """Long inputs gain nothing from batching: 1 -> 3 makes each batch 3 x slower and breaks the
     SLO. Cutting back without judging the growth would retry it at the next good window."""
