@@ -156,5 +156,4 @@ class ConnectionPool:
             late = time.monotonic() - self.timeout
             for connection in [c for c in self.busy if c.exchange is not None and c.exchange.sent < late]:
                 connection.exchange.attempts = 1  # no resend for a request that timed out
-                connection.answered = True
                 connection.transport.close()

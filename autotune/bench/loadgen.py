@@ -129,6 +129,8 @@ def _tick(on_tick: Callable[[float], None], started: float, every: float, stop: 
 
 
 async def _send_all(url: str, arrivals: list[float], body: Body, connections: int, timeout: float, started: float) -> list[Result]:
+    if not arrivals:
+        return []
     results: list[Result | None] = [None] * len(arrivals)
     due = [started + offset for offset in arrivals]
     all_done = asyncio.get_running_loop().create_future()
@@ -144,8 +146,6 @@ async def _send_all(url: str, arrivals: list[float], body: Body, connections: in
         if remaining == 0:
             all_done.set_result(None)
 
-    if not arrivals:
-        return []
     pool = ConnectionPool(url, connections, timeout, {*_STAGE_KEYS.values(), _BATCH_KEY}, done)
     fixed = None if callable(body) else pool.request(body)
     try:
