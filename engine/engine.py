@@ -223,7 +223,7 @@ class Engine:
             submitted=time.monotonic(),
         )
         future.request_id = request_id
-        self._core.call(self._core.submit_embed, job, token_ids).add_done_callback(
+        self._core.call(self._core.submit_embed, job, token_ids, defer_items=len(token_ids)).add_done_callback(
             lambda f: f.exception() and future.set_exception(f.exception())
         )
 

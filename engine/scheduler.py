@@ -7,11 +7,12 @@ workers to start, drain and stop, and `schedule(now)` returns the dispatches to 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from engine.batcher import Batch, Batcher, Item
 from engine.config import INFLIGHT_BATCHES, Knobs, Task
-from engine.router import Router
+from engine.router import Router, WorkerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,19 @@ class Scheduler:
             expiry = oldest + self.queue_timeout
             due = expiry if due is None else min(due, expiry)
         return due
+
+    def deferrable_items(self) -> int:
+        """How many more embedding items may arrive before the next `schedule` without changing
+        when any of them goes: 0 when an arrival needs a turn of its own. The live core lets the
+        front skip its wake-up for those; a turn comes anyway, from the timer `next_wakeup` set for
+        what waits (so it is due no later than an arrival's own batch would be) or from a busy
+        worker's result (while none has room, nothing can go sooner)."""
+        if self.task != "embed" or not self.batcher:
+            return 0  # nothing waits, so no turn is due: the first item must ask for one
+        if self.router.has_room():
+            return max(0, self.batcher.max_batch_size - len(self.batcher) - 1)  # the next fills a batch
+        busy = any(s.state is WorkerState.READY for s in self.router.workers())
+        return sys.maxsize if busy else 0  # no worker ready: a crash loop must still see the item
 
     def queue_depth(self) -> int:
         return len(self.batcher)

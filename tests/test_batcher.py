@@ -1,5 +1,7 @@
 """The batcher, router and scheduler as pure state machines: time is passed in, never read."""
 
+import sys
+
 from engine.batcher import Batcher, Item
 from engine.config import Knobs
 from engine.router import Router, WorkerState
@@ -138,3 +140,27 @@ def test_expire_takes_every_item_at_or_past_the_limit_and_keeps_the_order_of_the
     assert b.expire(before=0.95) == []  # the head is younger: nothing is looked at
     assert [x.request_id for x in b.expire(before=1.5)] == [0, 1, 3]
     assert len(b) == 1 and b.oldest_arrival() == 2.0
+
+
+def test_deferrable_items_say_when_an_arrival_needs_a_turn_of_its_own():
+    s = Scheduler("embed", Knobs(max_batch_size=4, batch_timeout=0.5), max_inflight_batches=1)
+    s.submit(item(0, 3, arrival=0.0))
+    assert s.deferrable_items() == 0  # no ready worker: a crash loop must see every arrival
+    s.router.add(0)
+    s.router.mark_ready(0)
+    assert s.deferrable_items() == 2  # a timer is due at 0.5; a fourth item would fill the batch now
+    s.submit(item(1, 3, arrival=0.1))
+    s.submit(item(2, 3, arrival=0.2))
+    assert s.deferrable_items() == 0
+    s.submit(item(3, 3, arrival=0.3))
+    [first] = s.schedule(now=0.3)  # full: it goes at once
+    assert s.deferrable_items() == 0  # nothing waits, so no turn is due for a newcomer
+    s.submit(item(4, 3, arrival=0.4))
+    assert s.deferrable_items() == sys.maxsize  # the worker is busy: its result brings the next turn
+    s.router.complete(0, first.batch.batch_id)
+    assert s.deferrable_items() == 2
+    generate = Scheduler("generate", Knobs(max_batch_size=4))
+    generate.router.add(0)
+    generate.router.mark_ready(0)
+    generate.submit(item(0, 3, arrival=0.0))
+    assert generate.deferrable_items() == 0  # sequences are not deferred

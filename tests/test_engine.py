@@ -109,6 +109,23 @@ def test_500_requests_while_knobs_change_all_answered_correctly(engine, referenc
     wait_until(lambda: len(engine.stats().workers) == 1)
 
 
+def test_the_arrival_that_fills_a_batch_sends_it_without_waiting_for_the_timer(engine, reference):
+    """Arrivals after the first skip the core's wake-up while a batch timer is due anyway; the one
+    that fills the batch must still wake it, so four requests go as one batch at once, not at 30 s."""
+    knobs = engine.knobs
+    core = engine._core  # past the knobs' bounds (1 s at most): a timer no test would wait for
+    core.call(core.set_knobs, knobs.replace(max_batch_size=4, batch_timeout=30.0)).result()
+    before = engine.stats().counters
+    try:
+        futures = [engine.embed([text]) for text in TEXTS[:4]]
+        vectors = np.concatenate([future.result(timeout=10).vectors for future in futures])
+    finally:
+        engine.apply(knobs)
+    after = engine.stats().counters
+    assert np.abs(vectors - np.stack([reference[t] for t in TEXTS[:4]])).max() < 1e-4
+    assert (after.batches - before.batches, after.items - before.items) == (1, 4)
+
+
 def test_a_request_of_64_inputs_runs_in_many_batches_on_both_workers_and_comes_back_in_order(engine):
     """Indexing clients send 32-256 texts per request: its inputs are items of their own, so
     they spread over batches and workers; the batcher groups them by length, which reorders
