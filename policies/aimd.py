@@ -73,6 +73,11 @@ class AimdParams(Params):
     per item past some size. None: always grow (Clipper)."""
     ceiling_seconds: float = Field(120.0, gt=0)
     """How long a size where growing did not pay stays the ceiling (then it is tried again)."""
+    saturated_busy: float | None = Field(None, gt=0, le=1)
+    """Within the SLO, full batches grow by `queueing_growth_factor` (not `additive_step`) while the
+    workers' busy fraction is at least this: saturated workers are about to queue, and a larger batch
+    is the throughput they can still find; waiting for the p99 to break first loses the requests that
+    break it. None: within the SLO, always the additive step (Clipper)."""
     shrink_below_busy: float | None = Field(None, gt=0, le=1)
     """Over the SLO, shrink only while the workers' busy fraction is below this: a smaller batch
     costs throughput, which saturated workers cannot give (their queue would grow instead).
@@ -140,7 +145,10 @@ class AimdPolicy:
                 f"{p.stage} p99 {latency.p99:.3f} s <= SLO {p.slo_p99_seconds:.3f} s and batches full "
                 f"({observation.load.batch_size:.1f} >= {p.fill_threshold:.2f} × {size})"
             )
-            proposal, why = self._grow(observation, knobs, bounds, why)
+            factor = 1.0
+            if p.saturated_busy is not None and observation.busy_fraction >= p.saturated_busy:
+                why, factor = f"{why}, workers busy {observation.busy_fraction:.2f} >= {p.saturated_busy:g}", p.queueing_growth_factor
+            proposal, why = self._grow(observation, knobs, bounds, why, factor=factor)
         else:
             return Decision(
                 knobs,

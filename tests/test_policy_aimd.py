@@ -200,3 +200,14 @@ def test_aimd_grows_only_below_the_increase_threshold():
     assert held.knobs.max_batch_size == 8 and "0.7" in held.reason
     grown = policy.decide(obs(1.0, p99=0.5, batch_size=8.0, count=100), knobs, Bounds())
     assert grown.knobs.max_batch_size > 8
+
+
+def test_aimd_grows_full_batches_of_saturated_workers_before_the_slo_breaks():
+    knobs = Knobs(max_batch_size=16)
+    fine = dict(p99=0.42, batch_size=14.1, model_mean=0.07)  # B1's window at 40.7 s, 2026-12-07
+    policy = dict(cooldown_seconds=0, additive_step=2, queueing_growth_factor=2, saturated_busy=0.9)
+    saturated = aimd(**policy).decide(obs(0, busy=0.95, **fine), knobs, BOUNDS)
+    assert saturated.knobs.max_batch_size == 32 and "busy 0.95 >= 0.9" in saturated.reason
+    assert aimd(**policy).decide(obs(0, busy=0.8, **fine), knobs, BOUNDS).knobs.max_batch_size == 18  # room left: a step
+    unset = {k: v for k, v in policy.items() if k != "saturated_busy"}
+    assert aimd(**unset).decide(obs(0, busy=0.95, **fine), knobs, BOUNDS).knobs.max_batch_size == 18  # Clipper's rule
