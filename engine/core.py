@@ -71,6 +71,12 @@ class EngineCore:
         turns per batch rather than per request."""
         future: Future = Future()
         self._inbox.put((future, fn, args))
+        if self.state is EngineState.STOPPED:
+            # The loop has ended or is ending: refuse from this thread, since no turn will come. Put
+            # first, read the state second; the loop sets it before its last drain, so one of the
+            # two drains takes the call.
+            self._drain_inbox()
+            return future
         if defer_items:
             # Put first, read the gate second; the core publishes the gate before it looks at the
             # inbox. Under the GIL one of the two sees the other, so no item waits on a turn that

@@ -14,7 +14,7 @@ from helpers import alive, wait_until
 
 from engine.config import EngineConfig, KnobError, Knobs
 from engine.engine import Engine
-from engine.jobs import InputTooLong
+from engine.jobs import EngineClosed, InputTooLong
 
 TEXTS = [
     "hello world",
@@ -174,6 +174,9 @@ def test_shutdown_leaves_no_process_and_no_shared_memory(shm_entries):
     eng.shutdown()
     assert not [p for p in everything if alive(p)]
     assert set(os.listdir("/dev/shm")) == shm_entries
+    core = eng._core  # a call that reaches the core after its loop ended is refused, not left waiting
+    assert isinstance(core.call(core.stats).exception(timeout=5), EngineClosed)
+    assert isinstance(core.call(core.submit_embed, None, [[1]], defer_items=1).exception(timeout=5), EngineClosed)
 
 
 def test_waiting_for_workers_ends_at_once_in_a_crash_loop():
