@@ -112,7 +112,6 @@ class EngineCore:
             raise
         finally:
             self.state = EngineState.STOPPED
-            self._deferrable = 0
             self._drain_inbox()  # what came in during the last turn is refused, not left waiting
             self._publish()
             self.supervisor.release_all()
